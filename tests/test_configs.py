@@ -1,0 +1,134 @@
+"""Shipped configs parse and document themselves; overrides work; bad input names its field."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from xmoe_jax.config import ConfigError, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted((ROOT / "configs").glob("*.yaml"))
+TEXT_CONFIGS = [p for p in CONFIG_FILES if load_config(p).data.source == "text"]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def _header(path: pathlib.Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_configs_are_shipped() -> None:
+    names = {p.stem for p in CONFIG_FILES}
+    expected = {
+        "tiny",
+        "tiny_text",
+        "small",
+        "medium",
+        "large",
+        "super",
+        "deepseek_moe_16b",
+        "tiny_small_shape",
+    }
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_shipped_config_parses(path: pathlib.Path) -> None:
+    cfg = load_config(path)
+    assert cfg.model.num_layers >= 1
+    assert cfg.train.seq_len <= cfg.model.max_seq_len
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_shipped_config_header_names_its_command(path: pathlib.Path) -> None:
+    header = _header(path)
+    assert header, f"{path.name} has no leading comment header"
+    assert f"xmoe-train --config configs/{path.name}" in header
+    assert "Expect" in header
+
+
+@pytest.mark.parametrize("path", TEXT_CONFIGS, ids=lambda p: p.name)
+def test_text_data_path_resolves_from_repo_root(path: pathlib.Path) -> None:
+    data = ROOT / load_config(path).data.path
+    if not data.parent.is_dir():
+        pytest.skip(f"shared data directory {data.parent} is not present in this checkout")
+    assert data.is_file()
+
+
+def test_dotted_overrides_change_values() -> None:
+    base = load_config(TINY)
+    cfg = load_config(TINY, ["model.moe.top_k=4", "optimizer.lr=1e-3", "train.steps=7", "mesh.expert=2"])
+    assert base.model.moe.top_k == 2
+    assert cfg.model.moe.top_k == 4
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.train.steps == 7
+    assert cfg.mesh.expert == 2
+    assert cfg.model.hidden == base.model.hidden
+
+
+def test_override_null_means_none() -> None:
+    cfg = load_config(TINY, ["model.moe.capacity_factor=1.5"])
+    assert cfg.model.moe.capacity_factor == 1.5
+    assert load_config(TINY, ["model.moe.capacity_factor=null"]).model.moe.capacity_factor is None
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"model\.hiden"):
+        load_config(TINY, ["model.hiden=32"])
+
+
+def test_unknown_key_in_file_is_named(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  moe:\n    num_expert: 8\n")
+    with pytest.raises(ConfigError, match=r"model\.moe\.num_expert"):
+        load_config(bad)
+
+
+def test_wrong_type_is_named(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.hidden must be int"):
+        load_config(TINY, ["model.hidden=sixty-four"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('train:\n  steps: "100"\n')
+    with pytest.raises(ConfigError, match=r"train\.steps must be int"):
+        load_config(bad)
+
+
+def test_top_k_above_num_experts() -> None:
+    with pytest.raises(ConfigError, match=r"top_k=9 must be in \[1, num_experts=8\]"):
+        load_config(TINY, ["model.moe.top_k=9"])
+
+
+def test_num_experts_not_divisible_by_expert_axis() -> None:
+    with pytest.raises(ConfigError, match=r"num_experts=8 is not divisible by mesh\.expert=3"):
+        load_config(TINY, ["mesh.expert=3"])
+
+
+def test_missing_config_file(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load_config(missing)
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.hidden' must look like section\.key=value"):
+        load_config(TINY, ["model.hidden"])
+
+
+def test_mesh_size_must_match_device_count() -> None:
+    cfg = load_config(TINY, ["mesh.data=2", "mesh.expert=2"])
+    assert cfg.validate_for_devices(4) == {"data": 2, "expert": 2, "tensor": 1}
+    with pytest.raises(ConfigError, match=r"mesh size data\*expert\*tensor = 2\*2\*1 = 4 != 8 devices"):
+        cfg.validate_for_devices(8)
+
+
+def test_mesh_fill_resolves_data_axis() -> None:
+    cfg = load_config(TINY, ["mesh.expert=2"])
+    assert cfg.validate_for_devices(8) == {"data": 4, "expert": 2, "tensor": 1}
+    with pytest.raises(ConfigError, match=r"mesh\.expert \* mesh\.tensor = 2 does not divide the 3 devices"):
+        cfg.validate_for_devices(3)

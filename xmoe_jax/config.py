@@ -1,0 +1,435 @@
+"""Typed, validated configuration.
+
+One frozen dataclass per component; each validates itself on construction and
+raises `ConfigError` naming the field and the fix. `load_config` reads a YAML
+file (nested mappings mirror the dataclasses) and applies dotted overrides such
+as ``model.moe.top_k=4``. Unknown keys and wrong types are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+DISPATCH_MODES = ("dense", "padded")
+ACTIVATIONS = ("swiglu", "gelu")
+SCORE_FUNCS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+AUX_LOSS_TYPES = ("micro_batch", "sequence", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{name}={value!r} is not one of {list(choices)}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts, router and dispatch of one MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 64
+    num_shared_experts: int = 0
+    shared_expert_hidden: int | None = None  # default: num_shared_experts * expert_hidden
+    activation: str = "swiglu"
+    score_func: str = "softmax"
+    norm_topk_prob: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = False
+    capacity_factor: float | None = None  # None = dropless
+    dispatch: str = "dense"
+    drop_policy: str = "probs"
+    aux_loss_type: str = "micro_batch"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    bias_update_rate: float = 0.0  # aux-loss-free balancing (sigmoid routing)
+
+    def __post_init__(self) -> None:
+        p = "moe."
+        _check(self.num_experts >= 1, f"{p}num_experts={self.num_experts} must be >= 1")
+        _check(
+            1 <= self.top_k <= self.num_experts,
+            f"{p}top_k={self.top_k} must be in [1, num_experts={self.num_experts}]",
+        )
+        _check(self.expert_hidden >= 1, f"{p}expert_hidden must be >= 1")
+        _check(self.num_shared_experts >= 0, f"{p}num_shared_experts must be >= 0")
+        if self.shared_expert_hidden is not None:
+            _check(self.shared_expert_hidden >= 1, f"{p}shared_expert_hidden must be >= 1")
+        _choice(p + "activation", self.activation, ACTIVATIONS)
+        _choice(p + "score_func", self.score_func, SCORE_FUNCS)
+        _choice(p + "dispatch", self.dispatch, DISPATCH_MODES)
+        _choice(p + "drop_policy", self.drop_policy, DROP_POLICIES)
+        _choice(p + "aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
+        _check(
+            self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
+            f"{p}num_groups={self.num_groups} must divide num_experts={self.num_experts}",
+        )
+        _check(
+            1 <= self.topk_groups <= self.num_groups,
+            f"{p}topk_groups={self.topk_groups} must be in [1, num_groups={self.num_groups}]",
+        )
+        if self.num_groups > 1:
+            _check(
+                self.score_func == "sigmoid",
+                f"{p}num_groups > 1 (group-limited routing) needs score_func='sigmoid'",
+            )
+            per_group = self.num_experts // self.num_groups
+            _check(
+                self.topk_groups * per_group >= self.top_k,
+                f"{p}topk_groups * experts per group = {self.topk_groups * per_group} "
+                f"< top_k={self.top_k}; raise topk_groups",
+            )
+        if self.capacity_factor is not None:
+            _check(
+                self.capacity_factor > 0,
+                f"{p}capacity_factor={self.capacity_factor} must be > 0 (or null for dropless)",
+            )
+        _check(self.bias_update_rate >= 0, f"{p}bias_update_rate must be >= 0")
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden size of the (fused) shared-expert MLP; 0 when there is none."""
+        if self.num_shared_experts == 0:
+            return 0
+        if self.shared_expert_hidden is not None:
+            return self.shared_expert_hidden
+        return self.num_shared_experts * self.expert_hidden
+
+    @property
+    def has_router_bias(self) -> bool:
+        """The selection-only correction bias exists for sigmoid routing."""
+        return self.score_func == "sigmoid"
+
+    def capacity(self, num_tokens: int) -> int:
+        """Per-expert capacity C = ceil(cf * T * k / E) (needs capacity_factor)."""
+        cf = self.capacity_factor if self.capacity_factor is not None else 1.0
+        return max(1, math.ceil(cf * num_tokens * self.top_k / self.num_experts))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer: first `num_dense_layers` dense, the rest MoE."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None = num_heads (MHA)
+    head_dim: int | None = None  # None = hidden // num_heads
+    dense_hidden: int = 256
+    dense_activation: str = "swiglu"
+    num_dense_layers: int = 1
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    moe: MoEConfig | None = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        p = "model."
+        for name in ("vocab_size", "hidden", "num_layers", "num_heads", "dense_hidden", "max_seq_len"):
+            _check(getattr(self, name) >= 1, f"{p}{name}={getattr(self, name)} must be >= 1")
+        _check(
+            0 <= self.num_dense_layers <= self.num_layers,
+            f"{p}num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]",
+        )
+        if self.head_dim is None:
+            _check(
+                self.hidden % self.num_heads == 0,
+                f"{p}hidden={self.hidden} is not divisible by num_heads={self.num_heads}; set model.head_dim",
+            )
+        _check(
+            self.kv_heads >= 1 and self.num_heads % self.kv_heads == 0,
+            f"{p}num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}",
+        )
+        _check(self.head_size % 2 == 0, f"{p}head_dim={self.head_size} must be even for RoPE")
+        _choice(p + "dense_activation", self.dense_activation, ACTIVATIONS)
+        _choice(p + "dtype", self.dtype, ("bfloat16", "float32", "float16"))
+        _choice(p + "param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        _check(
+            self.moe is not None or self.num_dense_layers == self.num_layers,
+            f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.num_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.moe is not None else 0
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: data x expert x tensor. `data=-1` takes the remaining devices."""
+
+    data: int = -1
+    expert: int = 1
+    tensor: int = 1
+    fsdp: bool = False  # also shard parameters and optimizer state over `data`
+
+    def __post_init__(self) -> None:
+        _check(self.data == -1 or self.data >= 1, f"mesh.data={self.data} must be >= 1 or -1 (fill)")
+        _check(self.expert >= 1, f"mesh.expert={self.expert} must be >= 1")
+        _check(self.tensor >= 1, f"mesh.tensor={self.tensor} must be >= 1")
+
+    def resolve(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes for `num_devices`; errors if they cannot multiply to it."""
+        fixed = self.expert * self.tensor
+        if self.data == -1:
+            _check(
+                num_devices % fixed == 0,
+                f"mesh.expert * mesh.tensor = {fixed} does not divide the {num_devices} devices; "
+                "choose sizes whose product divides the device count",
+            )
+            data = num_devices // fixed
+        else:
+            data = self.data
+            _check(
+                data * fixed == num_devices,
+                f"mesh size data*expert*tensor = {data}*{self.expert}*{self.tensor} = {data * fixed} "
+                f"!= {num_devices} devices; set mesh.data=-1 or sizes whose product is {num_devices}",
+            )
+        return {"data": data, "expert": self.expert, "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay_steps: int | None = None  # None = train.steps
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio must be in [0, 1]")
+        _check(self.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
+        _check(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optimizer.b1 and b2 must be in [0, 1)")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
+        if self.grad_clip is not None:
+            _check(self.grad_clip > 0, "optimizer.grad_clip must be > 0 (or null for no clipping)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Input: `synthetic` (deterministic, learnable) or `text` (byte-level file)."""
+
+    source: str = "synthetic"
+    path: str | None = None
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, ("synthetic", "text"))
+        if self.source == "text":
+            _check(self.path is not None, "data.source='text' needs data.path=<file>")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under `<run_dir>/checkpoints`."""
+
+    enabled: bool = True
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, f"checkpoint.every={self.every} must be >= 1")
+        _check(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: steps, global batch, sequence length, logging, NaN handling."""
+
+    steps: int = 100
+    batch_size: int = 8  # global, in sequences
+    seq_len: int = 64
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = "runs/default"
+    nan_policy: str = "stop"
+    peak_tflops: float | None = None  # per device; None = look up by device kind
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
+        _check(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
+        _check(self.seq_len >= 1, f"train.seq_len={self.seq_len} must be >= 1")
+        _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        _choice("train.nan_policy", self.nan_policy, ("stop", "skip"))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"train.seq_len={self.train.seq_len} > model.max_seq_len={self.model.max_seq_len}",
+        )
+        if self.data.source == "text":
+            _check(
+                self.model.vocab_size >= 256,
+                f"data.source='text' is byte-level (256 ids) but model.vocab_size={self.model.vocab_size}; "
+                "set model.vocab_size >= 256",
+            )
+        moe = self.model.moe
+        if moe is not None:
+            _check(
+                moe.num_experts % self.mesh.expert == 0,
+                f"moe.num_experts={moe.num_experts} is not divisible by mesh.expert={self.mesh.expert}; "
+                "choose an expert axis that divides the expert count",
+            )
+
+    def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> dict[str, int]:
+        """Checks that need the runtime: mesh size and batch divisibility."""
+        axes = self.mesh.resolve(num_devices)
+        shards = axes["data"] * axes["expert"]
+        _check(
+            self.train.batch_size % shards == 0,
+            f"train.batch_size={self.train.batch_size} is not divisible by data*expert={shards} "
+            "batch shards; use a multiple",
+        )
+        _check(
+            self.train.batch_size % num_processes == 0,
+            f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",
+        )
+        return axes
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _resolve_type(tp: Any) -> tuple[Any, bool]:
+    """(base type, optional) for the annotations used above."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    base, optional = _resolve_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{path} may not be null")
+    if dataclasses.is_dataclass(base):
+        if isinstance(value, base):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
+        return _build(base, value, path + ".")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ConfigError(f"{path} must be {base.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]}; valid keys under "
+            f"'{prefix.rstrip('.') or '<top>'}' are {sorted(names)}"
+        )
+    kwargs = {k: _coerce(prefix + k, hints[k], v) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict, cls: type = Config) -> Any:
+    """Builds a (nested) config dataclass from plain data, validating keys and types."""
+    return _build(cls, data or {})
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
+    """`key=value` strings -> (dotted key, YAML-parsed value)."""
+    out = []
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw)))
+    return out
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Reads `path` (YAML; None = built-in defaults) and applies dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass --config configs/<name>.yaml")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    for key, value in parse_overrides(overrides):
+        _set_dotted(data, key, value)
+    return from_dict(data)

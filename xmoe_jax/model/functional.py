@@ -1,0 +1,93 @@
+"""The model as pure functions over plain pytrees, for jit, sharding and checkpoints.
+
+`model_spec(cfg)` builds the module abstractly (no memory) and records its graph,
+parameter shapes and logical axis names; `init_params` materialises the weights
+directly in their sharded layout; `apply` merges a pytree back into the module and
+runs it. Trainable weights (`Param`) and the router's selection bias (`RouterBias`)
+are separate pytrees, so the optimizer only ever sees the former.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from xmoe_jax import sharding
+from xmoe_jax.config import ModelConfig
+from xmoe_jax.model.moe_block import RouterBias
+from xmoe_jax.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    cfg: ModelConfig
+    graphdef: Any
+    params_shape: dict  # pure pytree of ShapeDtypeStruct
+    bias_shape: dict
+    params_logical: dict  # same structure, tuples of logical axis names
+    bias_logical: dict
+
+
+def _nested(state: nnx.State, leaf_fn) -> dict:
+    out: dict = {}
+    for path, var in state.flat_state():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = leaf_fn(var)
+    return out
+
+
+def _logical(var: nnx.Variable) -> tuple:
+    names = var.get_metadata().get("logical")
+    ndim = len(var.get_value().shape)
+    return tuple(names) if names is not None else (None,) * ndim
+
+
+def _shape(var: nnx.Variable) -> jax.ShapeDtypeStruct:
+    v = var.get_value()
+    return jax.ShapeDtypeStruct(v.shape, v.dtype)
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    graphdef, params, bias = nnx.split(abstract, nnx.Param, RouterBias)
+    return ModelSpec(
+        cfg=cfg,
+        graphdef=graphdef,
+        params_shape=_nested(params, _shape),
+        bias_shape=_nested(bias, _shape),
+        params_logical=_nested(params, _logical),
+        bias_logical=_nested(bias, _logical),
+    )
+
+
+def shardings(spec: ModelSpec, mesh: Mesh, fsdp: bool = False) -> tuple[Any, Any]:
+    """NamedShardings of (params, bias) under the parameter rules."""
+    rules = sharding.param_rules(fsdp)
+    return (
+        sharding.tree_shardings(mesh, spec.params_shape, spec.params_logical, rules),
+        sharding.tree_shardings(mesh, spec.bias_shape, spec.bias_logical, rules),
+    )
+
+
+def init_params(spec: ModelSpec, key: jax.Array, mesh: Mesh | None = None, fsdp: bool = False):
+    """(params, bias) pure pytrees; created already sharded when a mesh is given."""
+
+    def init(key):
+        model = Transformer(spec.cfg, nnx.Rngs(params=key))
+        _, params, bias = nnx.split(model, nnx.Param, RouterBias)
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(bias)
+
+    out_shardings = shardings(spec, mesh, fsdp) if mesh is not None else None
+    return jax.jit(init, out_shardings=out_shardings)(key)
+
+
+def apply(spec: ModelSpec, params: dict, bias: dict, tokens_BS: jax.Array, mesh: Mesh | None = None):
+    """Float32 logits [B,S,V] and stacked MoE aux values."""
+    model = nnx.merge(spec.graphdef, nnx.State(params), nnx.State(bias))
+    return model(tokens_BS, mesh)

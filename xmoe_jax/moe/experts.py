@@ -1,0 +1,44 @@
+"""Expert MLPs: routed experts batched over E, and the fused shared expert.
+
+Shapes: E experts, C rows per expert, D model, F expert hidden, T tokens.
+SwiGLU: down(silu(x @ gate) * (x @ up)); GELU (the X-MoE paper's 2-matrix expert):
+down(gelu(x @ up)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _act(h_gate, h_up, activation: str):
+    if activation == "swiglu":
+        return jax.nn.silu(h_gate) * h_up
+    return jax.nn.gelu(h_up)
+
+
+def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Array:
+    """Each expert e applied to its own rows x_ECD[e]; compute in x's dtype."""
+    dtype = x_ECD.dtype
+    h_up = jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_up"].astype(dtype))
+    h_gate = None
+    if activation == "swiglu":
+        h_gate = jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_gate"].astype(dtype))
+    return jnp.einsum("ecf,efd->ecd", _act(h_gate, h_up, activation), experts["w_down"].astype(dtype))
+
+
+def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
+    """A plain MLP (dense layers and the shared expert); params w_[gate,up] [D,F], w_down [F,D]."""
+    dtype = x_TD.dtype
+    h_up = x_TD @ mlp["w_up"].astype(dtype)
+    h_gate = x_TD @ mlp["w_gate"].astype(dtype) if activation == "swiglu" else None
+    return _act(h_gate, h_up, activation) @ mlp["w_down"].astype(dtype)
+
+
+def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
+    """The shared experts (fused into one MLP), optionally scaled by sigmoid(x @ gate)."""
+    y_TD = dense_mlp(x_TD, shared, activation)
+    if "gate" in shared:
+        g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
+        y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
+    return y_TD

@@ -1,0 +1,108 @@
+"""Routers and their balancing losses.
+
+Shapes: T tokens, D model, E experts, K top-k, G expert groups, S tokens per sequence.
+
+`route` follows the published definitions (all in float32):
+  softmax (Mixtral / Qwen2-MoE): p = softmax(logits) over all E; take the top-k of p;
+      weights = chosen p, renormalised over the k when `norm_topk_prob`.
+  sigmoid (DeepSeek-V3): s = sigmoid(logits); choose with s + bias (the bias is a
+      selection-only correction, never differentiated); with groups, rank groups by the
+      sum of their two largest (s + bias), keep `topk_groups` groups, take top-k inside
+      them; weights = s at the chosen experts (no bias), normalised when
+      `norm_topk_prob`, times `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from xmoe_jax.config import MoEConfig
+
+
+class Routing(NamedTuple):
+    topk_idx_TK: jax.Array  # int32 expert ids
+    topk_weight_TK: jax.Array  # float32 combine weights
+    scores_TE: jax.Array  # float32 per-expert affinities used by the balance loss
+    logits_TE: jax.Array  # float32 raw router logits
+
+
+def router_logits(x_TD: jax.Array, kernel_DE: jax.Array) -> jax.Array:
+    """Router logits in float32 whatever the compute dtype."""
+    return jnp.einsum("td,de->te", x_TD.astype(jnp.float32), kernel_DE.astype(jnp.float32))
+
+
+def _group_limited_scores(sel_TE: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Masks experts outside each token's `topk_groups` best groups with -inf."""
+    num_tokens = sel_TE.shape[0]
+    per_group = cfg.num_experts // cfg.num_groups
+    sel_TGe = sel_TE.reshape(num_tokens, cfg.num_groups, per_group)
+    top2_TGt, _ = jax.lax.top_k(sel_TGe, min(2, per_group))
+    group_score_TG = top2_TGt.sum(-1)
+    _, top_groups_TH = jax.lax.top_k(group_score_TG, cfg.topk_groups)
+    keep_TG = jnp.zeros((num_tokens, cfg.num_groups), bool)
+    keep_TG = keep_TG.at[jnp.arange(num_tokens)[:, None], top_groups_TH].set(True)
+    keep_TE = jnp.repeat(keep_TG, per_group, axis=1)
+    return jnp.where(keep_TE, sel_TE, -jnp.inf)
+
+
+def route(x_TD: jax.Array, kernel_DE: jax.Array, bias_E: jax.Array | None, cfg: MoEConfig) -> Routing:
+    """Chooses `top_k` experts per token and their combine weights."""
+    logits_TE = router_logits(x_TD, kernel_DE)
+    if cfg.score_func == "softmax":
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        topk_weight_TK, topk_idx_TK = jax.lax.top_k(probs_TE, cfg.top_k)
+        scores_TE = probs_TE
+    else:
+        s_TE = jax.nn.sigmoid(logits_TE)
+        sel_TE = s_TE if bias_E is None else s_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+        if cfg.num_groups > 1:
+            sel_TE = _group_limited_scores(sel_TE, cfg)
+        _, topk_idx_TK = jax.lax.top_k(jax.lax.stop_gradient(sel_TE), cfg.top_k)
+        topk_weight_TK = jnp.take_along_axis(s_TE, topk_idx_TK, axis=-1)
+        scores_TE = s_TE / (s_TE.sum(-1, keepdims=True) + 1e-20)
+    if cfg.norm_topk_prob:
+        topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(-1, keepdims=True) + 1e-20)
+    topk_weight_TK = topk_weight_TK * cfg.routed_scaling_factor
+    return Routing(topk_idx_TK.astype(jnp.int32), topk_weight_TK, scores_TE, logits_TE)
+
+
+def tokens_per_expert(topk_idx_TK: jax.Array, num_experts: int) -> jax.Array:
+    """Routed copies per expert (before any capacity drop), int32 [E]."""
+    return jnp.zeros((num_experts,), jnp.int32).at[topk_idx_TK.reshape(-1)].add(1)
+
+
+def load_balance_loss(
+    scores_TE: jax.Array, topk_idx_TK: jax.Array, cfg: MoEConfig, seq_len: int | None = None
+) -> jax.Array:
+    """sum_e f_e * P_e with f_e = E/(K*T) * count_e and P_e = mean_t scores_te.
+
+    Equals 1 for perfectly uniform routing. `micro_batch` treats all T tokens as one
+    group; `sequence` (DeepSeek-V3's sequence-wise loss) computes it per sequence of
+    `seq_len` tokens and averages.
+    """
+    if cfg.aux_loss_type == "none":
+        return jnp.zeros((), jnp.float32)
+    num_tokens, num_experts = scores_TE.shape
+    group = num_tokens if (cfg.aux_loss_type == "micro_batch" or seq_len is None) else seq_len
+    if num_tokens % group:
+        raise ValueError(f"sequence-wise aux loss: {num_tokens} tokens are not a multiple of seq_len={group}")
+    num_seq = num_tokens // group
+    one_hot_BSE = jax.nn.one_hot(topk_idx_TK, num_experts, dtype=jnp.float32).sum(1)
+    one_hot_BSE = one_hot_BSE.reshape(num_seq, group, num_experts)
+    f_BE = one_hot_BSE.sum(1) * (num_experts / (cfg.top_k * group))
+    p_BE = scores_TE.reshape(num_seq, group, num_experts).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+def z_loss(logits_TE: jax.Array) -> jax.Array:
+    """Router z-loss: mean over tokens of logsumexp(logits)^2 (ST-MoE)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+
+
+def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing: bias += rate * sign(mean_load - load_e)."""
+    load_E = tokens_per_expert_E.astype(jnp.float32)
+    return bias_E + rate * jnp.sign(load_E.mean() - load_E)

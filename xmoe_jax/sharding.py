@@ -1,0 +1,124 @@
+"""The one place that knows mesh axes.
+
+Model code names tensor dimensions logically ("embed", "experts", "tokens", ...);
+this module builds the mesh and maps logical names to mesh axes through two rule
+tables: PARAM_RULES for parameters (and optimizer state, which follows them) and
+ACTIVATION_RULES for activations. Nothing else in the package spells a mesh axis.
+
+What is sharded where (dense / padded modes, XLA partitioner):
+
+| tensor                  | data        | expert      | tensor |
+|-------------------------|-------------|-------------|--------|
+| tokens / batch          | split       | split       | -      |
+| expert weights [E,...]  | (fsdp: D)   | E split     | -      |
+| attention heads, MLP F  | (fsdp: D)   | -           | split  |
+| vocab (embed, lm head)  | (fsdp: D)   | -           | split  |
+| expert buffers [E,C,D]  | -           | E split     | -      |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xmoe_jax.config import MeshConfig
+
+MESH_AXES = ("data", "expert", "tensor")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated)
+PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "vocab": "tensor",
+    "embed": None,
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "experts": "expert",
+    "expert_mlp": None,
+    "router_experts": None,
+    "norm": None,
+}
+FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data"}
+
+ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "expert"),
+    "tokens": ("data", "expert"),
+    "seq": None,
+    "embed": None,
+    "heads": "tensor",
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "experts": "expert",
+    "capacity": None,
+}
+
+
+def make_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, expert, tensor) mesh over `devices` (default: all), Auto axes."""
+    mesh_cfg = mesh_cfg or MeshConfig()
+    devices = list(devices) if devices is not None else jax.devices()
+    sizes = mesh_cfg.resolve(len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    device_array = np.asarray(devices).reshape(shape)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return Mesh(device_array, MESH_AXES, axis_types=axis_types)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: dict) -> PartitionSpec:
+    """PartitionSpec for logical dimension names; a mesh axis is used at most once."""
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        axes = rules.get(name) if name is not None else None
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; add it to xmoe_jax.sharding")
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes_t = tuple(a for a in axes_t if a not in used)
+        used.update(axes_t)
+        spec.append(None if not axes_t else axes_t[0] if len(axes_t) == 1 else axes_t)
+    return PartitionSpec(*spec)
+
+
+def _fits(mesh: Mesh, shape: Sequence[int], spec: PartitionSpec) -> PartitionSpec:
+    """Drops sharding on dimensions the mesh axes do not divide (tiny configs, odd sizes)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=False):
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = int(np.prod([mesh.shape[a] for a in axes_t])) if axes_t else 1
+        out.append(axes if size > 1 and dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_rules(fsdp: bool = False) -> dict:
+    return FSDP_PARAM_RULES if fsdp else PARAM_RULES
+
+
+def named_sharding(
+    mesh: Mesh, names: Sequence[str | None], shape: Sequence[int], rules: dict
+) -> NamedSharding:
+    return NamedSharding(mesh, _fits(mesh, shape, logical_to_spec(names, rules)))
+
+
+def tree_shardings(mesh: Mesh, abstract_tree, logical_tree, rules: dict):
+    """NamedShardings for a pytree of arrays given a matching pytree of logical-name tuples."""
+    return jax.tree.map(
+        lambda x, names: named_sharding(mesh, names, x.shape, rules),
+        abstract_tree,
+        logical_tree,
+        is_leaf=lambda n: isinstance(n, tuple),
+    )
+
+
+def constrain(x: jax.Array, mesh: Mesh | None, names: Sequence[str | None], rules: dict = ACTIVATION_RULES):
+    """with_sharding_constraint by logical names; a no-op without a mesh."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, names, x.shape, rules))
+
+
+def constrainer(mesh: Mesh | None, rules: dict = ACTIVATION_RULES):
+    """`constrain` bound to a mesh, handed to mesh-agnostic code."""
+    return lambda x, names: constrain(x, mesh, names, rules)

@@ -1,0 +1,1 @@
+"""Training: optimizer, jitted step, loop, checkpoints, metrics."""

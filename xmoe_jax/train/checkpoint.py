@@ -1,0 +1,298 @@
+"""Checkpoints: a thin wrapper over `orbax.checkpoint.CheckpointManager`.
+
+Each step directory holds three items:
+
+* ``state``  -- the train-state pytree (`StandardSave`): jax.Arrays, possibly sharded over a
+  Mesh, plus python / numpy scalars. Restore reshards onto whatever target sharding the caller
+  asks for, so a run may resume on a different mesh.
+* ``data``   -- the position of a grain `DatasetIterator` (`grain.checkpoint.CheckpointSave`).
+* ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`.
+
+RNG keys: store `jax.random.key_data(key)` (a uint32 array) in the state and rebuild the key with
+`jax.random.wrap_key_data` after restore; typed key arrays are not plain arrays to orbax.
+
+Saving happens on multiples of `checkpoint.every` (or with `force=True`). Orbax on its own would
+also save the first step it is shown; we gate on the interval so that a fresh run does not write a
+checkpoint at step 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from xmoe_jax.config import CheckpointConfig, Config, to_dict
+
+_ITEMS = ("state", "data", "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved, found or restored; the message names the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _key_str(entry: Any) -> str:
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _path_str(path: tuple) -> str:
+    """Container-agnostic path: a NamedTuple field and the dict key orbax stores it under agree."""
+    return "/".join(_key_str(e) for e in path) or "<root>"
+
+
+def _leaf_shapes(tree: Any, is_leaf: Any = None) -> dict[str, tuple[int, ...]]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {_path_str(p): tuple(np.shape(x) if not hasattr(x, "shape") else x.shape) for p, x in leaves}
+
+
+def _is_meta_leaf(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _flatten_dotted(tree: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten_dotted(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: tree}
+
+
+_MISSING = "<absent>"
+
+
+def check_compatible(saved: dict, config: Config) -> None:
+    """Raises `CheckpointError` if the saved config's `model` section differs from `config.model`.
+
+    Everything else (train.steps, optimizer.*, checkpoint.*, data.*, mesh.*) may change between runs;
+    a mesh change is resharded on restore.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise CheckpointError(
+            "the saved config has no 'model' section, so it cannot be checked against this run; "
+            "use a checkpoint written by xmoe_jax or a new train.run_dir"
+        )
+    # A JSON round trip makes the current config comparable with the saved one (tuples -> lists).
+    current = json.loads(json.dumps(to_dict(config.model)))
+    old = _flatten_dotted(saved["model"], "model")
+    new = _flatten_dotted(current, "model")
+    diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, _MISSING) != new.get(k, _MISSING)]
+    if diff:
+        was = ", ".join(f"{k}={old.get(k, _MISSING)}" for k in diff)
+        now = ", ".join(f"{k}={new.get(k, _MISSING)}" for k in diff)
+        raise CheckpointError(
+            f"checkpoint was written with {was}, this run has {now}; "
+            "use the same model config or a new train.run_dir"
+        )
+
+
+# ----------------------------------------------------------------------------- checkpointer
+
+
+class Checkpointer:
+    """Saves and restores (state, data iterator position, config) under `directory`.
+
+    Steps:
+      1. `save(step, state, data_iter, config)` on every step; it writes on multiples of
+         `ckpt_cfg.every` (async if `ckpt_cfg.async_save`) and keeps the newest `ckpt_cfg.keep`.
+      2. On resume: `check_compatible(read_config(), config)`, then
+         `restore(abstract_state, data_iter)` where `abstract_state` holds `jax.ShapeDtypeStruct`s
+         with the *target* sharding.
+      3. `close()` (or use as a context manager) to wait for pending writes.
+    """
+
+    def __init__(self, directory: str | Path, ckpt_cfg: CheckpointConfig):
+        self.directory = Path(directory).absolute()
+        self.cfg = ckpt_cfg
+        # Never removes anything: only creates missing directories.
+        self.directory.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=ckpt_cfg.every,
+            max_to_keep=ckpt_cfg.keep,
+            enable_async_checkpointing=ckpt_cfg.async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_names=_ITEMS,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    # -- queries
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(
+                    f"no checkpoint found in {self.directory}; start without resuming, "
+                    "or point train.run_dir at a run that has saved checkpoints"
+                )
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; available steps are {steps}"
+            )
+        return step
+
+    def _saved_items(self, step: int) -> dict[str, Any]:
+        """Item name -> orbax metadata (None for items without metadata) for items present at `step`."""
+        try:
+            meta = self._manager.item_metadata(step)
+        except Exception as e:  # any metadata failure means the step is unreadable
+            raise CheckpointError(
+                f"cannot read the metadata of checkpoint step {step} in {self.directory} ({e}); "
+                "the step may be incomplete: restore an earlier step"
+            ) from e
+        return {k: meta[k] for k in _ITEMS if k in meta}
+
+    def read_config(self, step: int | None = None) -> dict:
+        """The config dict saved at `step` (latest if None)."""
+        step = self._resolve_step(step)
+        if "config" not in self._saved_items(step):
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} has no saved config; "
+                "it was saved with config=None, so pass config= to save() to make it checkable"
+            )
+        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return restored["config"]
+
+    # -- save
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data_iter: Any = None,
+        config: Config | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:
+        """Saves on multiples of `checkpoint.every` (any step if `force`); returns whether it saved.
+
+        The data iterator position is captured synchronously, so the caller may advance it at once.
+        """
+        if not force and step % self.cfg.every != 0 and not self._manager.reached_preemption(step):
+            return False
+        items: dict[str, Any] = {"state": ocp.args.StandardSave(state)}
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(to_dict(config))
+        if step in self._manager.all_steps():
+            if not force:
+                return False
+            raise CheckpointError(
+                f"checkpoint step {step} already exists in {self.directory}; orbax never overwrites a "
+                "step: delete that step directory by hand or save under a new train.run_dir"
+            )
+        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+
+    # -- restore
+
+    def _check_state_layout(self, step: int, state_meta: Any, abstract_state: Any) -> None:
+        """Compares leaf paths and shapes with the saved metadata before orbax touches the data."""
+        fix = "restore with the model config the checkpoint was written with, or start a new train.run_dir"
+        if state_meta is None:
+            return  # no metadata on this orbax version: orbax's own checks apply
+        saved = _leaf_shapes(getattr(state_meta, "tree", state_meta), is_leaf=_is_meta_leaf)
+        target = _leaf_shapes(abstract_state)
+        for path, shape in target.items():
+            if path not in saved:
+                raise CheckpointError(
+                    f"checkpoint step {step} has no leaf '{path}' (abstract_state shape {shape}); {fix}"
+                )
+            if saved[path] != shape:
+                raise CheckpointError(
+                    f"shape mismatch at '{path}': checkpoint step {step} has {saved[path]}, "
+                    f"abstract_state has {shape}; {fix}"
+                )
+        extra = [p for p in saved if p not in target]
+        if extra:
+            raise CheckpointError(
+                f"checkpoint step {step} has leaf '{extra[0]}' (shape {saved[extra[0]]}) that "
+                f"abstract_state lacks; {fix}"
+            )
+
+    @staticmethod
+    def _restore_targets(abstract_state: Any) -> Any:
+        def target(path: tuple, x: Any) -> Any:
+            if isinstance(x, jax.ShapeDtypeStruct):
+                if x.sharding is None:
+                    raise CheckpointError(
+                        f"abstract_state leaf '{_path_str(path)}' has no sharding; build it as "
+                        "jax.ShapeDtypeStruct(shape, dtype, sharding=<target sharding>)"
+                    )
+                return x
+            if isinstance(x, np.generic):  # orbax restores numpy scalars via 0-d ndarrays
+                return np.asarray(x)
+            return x
+
+        return jax.tree_util.tree_map_with_path(target, abstract_state)
+
+    def restore(self, abstract_state: Any, data_iter: Any = None, step: int | None = None) -> Any:
+        """Restores the state at `step` (latest if None) onto the shardings in `abstract_state`.
+
+        `abstract_state` mirrors the saved state with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
+        leaves (python / numpy scalars may stand for themselves). The target shardings may differ from
+        the saved ones (another mesh, a single device). `data_iter`, if given, is moved in place to the
+        saved position. Raises `CheckpointError` if there is no checkpoint or the layout differs.
+        """
+        step = self._resolve_step(step)
+        saved = self._saved_items(step)
+        if "state" not in saved:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} has no 'state' item")
+        self._check_state_layout(step, saved["state"], abstract_state)
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(self._restore_targets(abstract_state))}
+        if data_iter is not None:
+            if "data" not in saved:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} holds no data iterator position (it was "
+                    "saved with data_iter=None); restore with data_iter=None and rebuild the iterator"
+                )
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # surface one error type with the step and directory
+            raise CheckpointError(
+                f"restoring checkpoint step {step} from {self.directory} failed: {type(e).__name__}: {e}; "
+                "check that abstract_state matches the saved state (same model config)"
+            ) from e
+        return restored["state"]
+
+    # -- lifecycle
+
+    def wait(self) -> None:
+        """Blocks until pending async saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

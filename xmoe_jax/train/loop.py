@@ -1,0 +1,169 @@
+"""The training loop: validate, build, (resume,) compile, step, log, checkpoint.
+
+Everything that can be wrong with the input (config, devices, data file, run
+directory, checkpoint) is checked before anything is compiled. A run directory
+that already holds a run is never written over: continue it with `resume=True`
+or choose a new `train.run_dir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+from xmoe_jax import sharding
+from xmoe_jax.config import Config, ConfigError, to_dict
+from xmoe_jax.data import make_input
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train import step as tstep
+from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
+from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
+from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+
+log = logging.getLogger("xmoe_jax")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss under nan_policy=stop)."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    losses: dict[int, float]  # step -> loss, for every step run in this call
+    final_step: int
+    records: list[dict]  # what was logged
+
+
+def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
+    """Returns the step to resume from (None = fresh); refuses to overwrite a run."""
+    latest = ckpt.latest_step() if ckpt is not None else None
+    if resume:
+        return latest
+    if latest is not None:
+        raise ConfigError(
+            f"{run_dir} already holds a run (checkpoint at step {latest}); pass --resume to continue "
+            "it or set train.run_dir to a new directory"
+        )
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"{run_dir} already holds metrics.jsonl from another run; set train.run_dir to a new "
+            "directory (or pass --resume to append)"
+        )
+    return None
+
+
+def _global_batch(local: dict, shard) -> dict:
+    return {k: jax.make_array_from_process_local_data(shard, v) for k, v in local.items()}
+
+
+def train(cfg: Config, *, resume: bool = False) -> TrainResult:
+    """Runs `cfg.train.steps` steps in total (resumed runs continue to that count)."""
+    # -- validate everything before building or compiling anything
+    num_processes, process_index = jax.process_count(), jax.process_index()
+    cfg.validate_for_devices(jax.device_count(), num_processes)
+    run_dir = Path(cfg.train.run_dir)
+    data_iter = make_input(
+        cfg.data,
+        seq_len=cfg.train.seq_len,
+        batch_size=cfg.train.batch_size // num_processes,
+        vocab_size=cfg.model.vocab_size,
+        process_index=process_index,
+        process_count=num_processes,
+    )
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
+    start = _prepare_run_dir(run_dir, resume, ckpt)
+    if start is not None:
+        check_compatible(ckpt.read_config(start), cfg)
+    if start is not None and start >= cfg.train.steps:
+        raise ConfigError(
+            f"the checkpoint is at step {start} >= train.steps={cfg.train.steps}; raise train.steps"
+        )
+    is_main = process_index == 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if is_main and start is None:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    # -- build
+    mesh = sharding.make_mesh(cfg.mesh)
+    spec = fmodel.model_spec(cfg.model)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    shardings = tstep.state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
+    if start is None:
+        state = tstep.init_state(spec, optimizer, cfg, mesh, shardings)
+    else:
+        state = ckpt.restore(tstep.abstract_state(spec, optimizer, shardings), data_iter, start)
+        log.info("resumed from %s at step %d", ckpt_dir, start)
+    step_fn = tstep.make_train_step(spec, optimizer, cfg, mesh, shardings)
+    data_sh = tstep.batch_sharding(mesh, cfg)
+    schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
+
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
+    peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
+    meter = Throughput(
+        tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
+    )
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main)
+    losses: dict[int, float] = {}
+    records: list[dict] = []
+
+    def check(step: int, metrics: dict) -> None:
+        loss = float(metrics["loss"])
+        losses[step] = loss
+        if not bool(metrics["finite"]):
+            msg = (
+                f"non-finite loss ({loss}) or gradient at step {step}; this step was not applied. "
+                "Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nan_policy=skip"
+            )
+            if cfg.train.nan_policy == "stop":
+                raise TrainingError(msg + (f"; last checkpoint: step {ckpt.latest_step()}" if ckpt else ""))
+            log.warning("skipped: %s", msg)
+
+    first = (start or 0) + 1
+    pending: tuple[int, dict] | None = None
+    try:
+        meter.reset()
+        for step in range(first, cfg.train.steps + 1):
+            batch = _global_batch(next(data_iter), data_sh)
+            state, metrics = step_fn(state, batch)
+            if pending is not None:  # check the previous step while this one runs
+                check(*pending)
+            pending = (step, metrics)
+            meter.tick()
+            logger.progress(step)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                check(*pending)
+                pending = None
+                record = {
+                    "step": step,
+                    "loss": losses[step],
+                    "ce": float(metrics["ce"]),
+                    "aux_loss": float(metrics["aux_loss"]),
+                    "z_loss": float(metrics["z_loss"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(schedule(step - 1)),
+                    **meter.read(),
+                }
+                if "tokens_per_expert" in metrics:
+                    record.update(
+                        expert_stats(
+                            np.asarray(metrics["tokens_per_expert"]), np.asarray(metrics["drop_rate"])
+                        )
+                    )
+                records.append(record)
+                logger.log(record)
+            if ckpt is not None and cfg.checkpoint.enabled:
+                ckpt.save(step, state, data_iter, cfg, force=step == cfg.train.steps)
+        if pending is not None:
+            check(*pending)
+    finally:
+        if ckpt is not None:
+            ckpt.wait()
+            ckpt.close()
+        logger.close()
+    return TrainResult(losses=losses, final_step=cfg.train.steps, records=records)

@@ -1,0 +1,135 @@
+"""Throughput accounting and the metrics sinks (terminal/plain lines, metrics.jsonl).
+
+Model FLOPs per token (training, forward + backward = 3x forward):
+    6 * (active matmul parameters) + 12 * L * S * H * Dh
+where active matmul parameters = attention + dense MLPs + router + top_k routed
+experts + shared experts + LM head (the input embedding is a lookup, norms are not
+matmuls), L layers, S sequence length, H*Dh attention width; the attention term
+counts QK^T and AV without a causal discount (the PaLM convention). Only active
+experts count, so the figure does not grow with the number of experts.
+MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from xmoe_jax.config import ModelConfig
+from xmoe_jax.params import count_params
+
+# peak dense bf16 TFLOP/s per device (one GCD for MI250X), by jax device_kind prefix
+PEAK_TFLOPS = {
+    "NVIDIA H100": 989.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA B200": 2250.0,
+    "NVIDIA A100": 312.0,
+    "AMD Instinct MI250X": 191.5,
+    "AMD Instinct MI300X": 1307.0,
+}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    counts = count_params(cfg)
+    matmul_active = counts.active - counts.breakdown["embed"] - counts.breakdown["norms"]
+    attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_size
+    return 6.0 * matmul_active + attention
+
+
+def peak_tflops(device_kind: str, override: float | None = None) -> float | None:
+    if override is not None:
+        return override
+    for prefix, value in PEAK_TFLOPS.items():
+        if device_kind.startswith(prefix):
+            return value
+    return None
+
+
+def expert_stats(tokens_per_expert_LE: np.ndarray, drop_rate_L: np.ndarray) -> dict:
+    """Per-layer load imbalance (max/mean routed copies) and drop rate."""
+    load = np.asarray(tokens_per_expert_LE, dtype=np.float64)
+    imbalance = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
+    return {
+        "expert_imbalance": [round(float(v), 3) for v in imbalance],
+        "drop_rate": [round(float(v), 4) for v in np.asarray(drop_rate_L)],
+    }
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl and shows progress: a live line on a terminal, plain lines when piped."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a") if enabled else None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.stream.write(self._line(record) + "\n")
+        self.stream.flush()
+
+    def progress(self, step: int) -> None:
+        """Between log points on a terminal: a bar that rewrites itself."""
+        if not (self.enabled and self.tty):
+            return
+        width = 30
+        done = int(width * step / max(self.total, 1))
+        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}\x1b[K")
+        self.stream.flush()
+        if step == self.total:
+            self.stream.write("\r\x1b[K")
+
+    def _line(self, r: dict) -> str:
+        parts = [f"step {r['step']:>6}/{self.total}", f"loss {r['loss']:.4f}"]
+        parts.append(f"tok/s {r['tokens_per_s']:,.0f}")
+        parts.append(f"TFLOP/s/dev {r['tflops_per_device']:.2f}")
+        if r.get("mfu") is not None:
+            parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if "expert_imbalance" in r:
+            parts.append(f"imb {max(r['expert_imbalance']):.2f}")
+            parts.append(f"drop {max(r['drop_rate']):.3f}")
+        prefix = "\r\x1b[K" if self.tty else ""
+        return prefix + " | ".join(parts)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+class Throughput:
+    """Wall time between log points -> tokens/s, model TFLOP/s per device, MFU."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, num_devices: int, peak: float | None):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.num_devices = num_devices
+        self.peak = peak
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.steps = 0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def read(self) -> dict:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        tflops = tokens_per_s * self.flops_per_token / self.num_devices / 1e12
+        self.reset()
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+        }
