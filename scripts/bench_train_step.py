@@ -1,0 +1,63 @@
+"""Train-step throughput of a config on the local devices, with a same-run matmul ceiling.
+
+    python scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+        --set model.moe.capacity_factor=1.25 --steps 30 --out results.json
+
+Runs the real trainer (xmoe_jax.train.loop.train) for --steps steps, takes the
+throughput of the last logging window (compilation excluded), and prints model
+TFLOP/s per device, MFU against the datasheet peak, and the ratio against a dense
+bf16 matmul measured on the same device in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+from xmoe_jax.benchmarking import dense_matmul_tflops, environment
+from xmoe_jax.config import load_config
+from xmoe_jax.train.loop import train
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    args = p.parse_args()
+
+    window = max(args.steps // 3, 1)
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = [*args.overrides, f"train.steps={args.steps}", f"train.log_every={window}",
+                     f"train.run_dir={run_dir}", "checkpoint.enabled=false"]
+        cfg = load_config(args.config, overrides)
+        result = train(cfg)
+    last = result.records[-1]
+    ceiling = dense_matmul_tflops()
+    out = {
+        **environment(),
+        "config": args.config,
+        "overrides": args.overrides,
+        "dispatch": cfg.model.moe.dispatch if cfg.model.moe else None,
+        "capacity_factor": cfg.model.moe.capacity_factor if cfg.model.moe else None,
+        "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+        "steps": args.steps,
+        "window_steps": window,
+        "tokens_per_s": last["tokens_per_s"],
+        "tflops_per_device": last["tflops_per_device"],
+        "mfu_vs_datasheet": last["mfu"],
+        "dense_matmul_tflops": ceiling,
+        "ratio_vs_dense_matmul": last["tflops_per_device"] / ceiling,
+        "final_loss": last["loss"],
+        "drop_rate": last.get("drop_rate"),
+    }
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

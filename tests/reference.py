@@ -1,0 +1,200 @@
+"""Independent NumPy float64 references for routing, capacity, the MoE layer and attention.
+
+Written from the published definitions (DESIGN.md section 2), not from the library code, and
+deliberately loop-based where that makes the definition obvious. Shapes use the library's
+suffix legend: T tokens, D model, E experts, K top-k, F expert hidden, S sequence, H heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from xmoe_jax.config import MoEConfig
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def rel_err(a, b) -> float:
+    a, b = f64(a), f64(b)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softmax(x, axis=-1):
+    z = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def gelu_tanh(x):
+    # jax.nn.gelu defaults to the tanh approximation
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def route_ref(x_TD, kernel_DE, bias_E, cfg: MoEConfig):
+    """(topk_idx_TK, topk_weight_TK, logits_TE, scores_TE), one token at a time."""
+    logits_TE = f64(x_TD) @ f64(kernel_DE)
+    num_tokens, num_experts = logits_TE.shape
+    idx = np.zeros((num_tokens, cfg.top_k), np.int64)
+    wts = np.zeros((num_tokens, cfg.top_k))
+    if cfg.score_func == "softmax":
+        scores_TE = softmax(logits_TE)
+        for t in range(num_tokens):
+            p = scores_TE[t]
+            chosen = sorted(range(num_experts), key=lambda e, p=p: -p[e])[: cfg.top_k]
+            w = p[chosen]
+            if cfg.norm_topk_prob:
+                w = w / w.sum()
+            idx[t], wts[t] = chosen, w * cfg.routed_scaling_factor
+        return idx, wts, logits_TE, scores_TE
+
+    s_TE = sigmoid(logits_TE)
+    bias = np.zeros(num_experts) if bias_E is None else f64(bias_E)
+    per_group = num_experts // cfg.num_groups
+    for t in range(num_tokens):
+        sel = s_TE[t] + bias
+        allowed = list(range(num_experts))
+        if cfg.num_groups > 1:
+            group_score = []
+            for g in range(cfg.num_groups):
+                members = sorted(sel[g * per_group : (g + 1) * per_group], reverse=True)
+                group_score.append(sum(members[:2]))
+            best = sorted(range(cfg.num_groups), key=lambda g, gs=group_score: -gs[g])[: cfg.topk_groups]
+            allowed = [e for e in range(num_experts) if e // per_group in best]
+        chosen = sorted(allowed, key=lambda e, sel=sel: -sel[e])[: cfg.top_k]
+        w = s_TE[t, chosen]  # weights come from the un-biased scores
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        idx[t], wts[t] = chosen, w * cfg.routed_scaling_factor
+    scores_TE = s_TE / s_TE.sum(-1, keepdims=True)
+    return idx, wts, logits_TE, scores_TE
+
+
+def load_balance_ref(scores_TE, topk_idx_TK, num_experts: int, top_k: int, group: int) -> float:
+    """mean over groups of sum_e f_e * P_e, f_e = E/(K*group) * count_e, P_e = mean scores."""
+    scores_TE, topk_idx_TK = f64(scores_TE), np.asarray(topk_idx_TK)
+    losses = []
+    for start in range(0, scores_TE.shape[0], group):
+        counts = np.zeros(num_experts)
+        for row in topk_idx_TK[start : start + group]:
+            for e in row:
+                counts[e] += 1
+        f = num_experts / (top_k * group) * counts
+        p = scores_TE[start : start + group].mean(0)
+        losses.append(float((f * p).sum()))
+    return float(np.mean(losses))
+
+
+def z_loss_ref(logits_TE) -> float:
+    logits_TE = f64(logits_TE)
+    m = logits_TE.max(-1)
+    lse = m + np.log(np.exp(logits_TE - m[:, None]).sum(-1))
+    return float(np.mean(lse**2))
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def keep_ref(topk_idx_TK, topk_weight_TK, num_experts: int, capacity: int | None, policy: str):
+    """keep_TK by walking each expert's queue in priority order."""
+    topk_idx_TK = np.asarray(topk_idx_TK)
+    weights = np.asarray(topk_weight_TK)
+    num_tokens, top_k = topk_idx_TK.shape
+    copies = [(t, k) for t in range(num_tokens) for k in range(top_k)]
+    if policy == "probs":  # highest weight first; ties: earlier token, lower slot
+        copies.sort(key=lambda c: (-float(weights[c]), c[0], c[1]))
+    else:  # first choices in token order, then second choices, ...
+        copies.sort(key=lambda c: (c[1], c[0]))
+    keep = np.zeros((num_tokens, top_k), bool)
+    used = [0] * num_experts
+    for t, k in copies:
+        e = topk_idx_TK[t, k]
+        if capacity is None or used[e] < capacity:
+            keep[t, k] = True
+        used[e] += 1
+    return keep
+
+
+# ----------------------------------------------------------------------------- MoE layer
+
+
+def mlp_ref(x_D, w_gate, w_up, w_down, activation: str):
+    if activation == "swiglu":
+        h = silu(x_D @ w_gate) * (x_D @ w_up)
+    else:
+        h = gelu_tanh(x_D @ w_up)
+    return h @ w_down
+
+
+def moe_ref(params: dict, x_TD, cfg: MoEConfig, keep_TK=None):
+    """Loop reference: y_t = sum_k w_tk * expert_{e_tk}(x_t) (+ gated shared expert)."""
+    p = {k: {n: f64(v) for n, v in d.items()} for k, d in params.items()}
+    x_TD = f64(x_TD)
+    idx, wts, _, _ = route_ref(x_TD, p["router"]["kernel"], p["router"].get("bias"), cfg)
+    ex = p["experts"]
+    y_TD = np.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(cfg.top_k):
+            if keep_TK is not None and not keep_TK[t, k]:
+                continue
+            e = idx[t, k]
+            gate = ex["w_gate"][e] if cfg.activation == "swiglu" else None
+            y_TD[t] += wts[t, k] * mlp_ref(x_TD[t], gate, ex["w_up"][e], ex["w_down"][e], cfg.activation)
+        if "shared" in p:
+            sh = p["shared"]
+            ys = mlp_ref(x_TD[t], sh.get("w_gate"), sh["w_up"], sh["w_down"], cfg.activation)
+            if "gate" in sh:
+                ys = ys * sigmoid(x_TD[t] @ sh["gate"][:, 0])
+            y_TD[t] += ys
+    return y_TD, idx
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def rope_ref(x_SHK, theta: float):
+    """Rotate-half RoPE: [x1*cos - x2*sin, x2*cos + x1*sin], freq_i = theta^(-i/half)."""
+    seq, _, head_dim = x_SHK.shape
+    half = head_dim // 2
+    out = np.empty_like(x_SHK)
+    for s in range(seq):
+        for i in range(half):
+            angle = s * theta ** (-i / half)
+            c, si = math.cos(angle), math.sin(angle)
+            x1, x2 = x_SHK[s, :, i], x_SHK[s, :, i + half]
+            out[s, :, i] = x1 * c - x2 * si
+            out[s, :, i + half] = x2 * c + x1 * si
+    return out
+
+
+def attention_ref(x_SD, wq_DHK, wk_DGK, wv_DGK, wo_HKD, theta: float):
+    """Causal GQA attention of one sequence; kv head g serves query heads g*H/G .. (g+1)*H/G - 1."""
+    x_SD = f64(x_SD)
+    wq, wk, wv, wo = map(f64, (wq_DHK, wk_DGK, wv_DGK, wo_HKD))
+    num_heads, num_kv = wq.shape[1], wk.shape[1]
+    q = rope_ref(np.einsum("sd,dhk->shk", x_SD, wq), theta)
+    k = rope_ref(np.einsum("sd,dgk->sgk", x_SD, wk), theta)
+    v = np.einsum("sd,dgk->sgk", x_SD, wv)
+    k = np.repeat(k, num_heads // num_kv, axis=1)
+    v = np.repeat(v, num_heads // num_kv, axis=1)
+    seq, head_dim = x_SD.shape[0], q.shape[-1]
+    out = np.zeros((seq, num_heads, head_dim))
+    for h in range(num_heads):
+        for s in range(seq):
+            logits = q[s, h] @ k[: s + 1, h].T / math.sqrt(head_dim)
+            out[s, h] = softmax(logits) @ v[: s + 1, h]
+    return np.einsum("shk,hkd->sd", out, wo)
