@@ -30,8 +30,13 @@ def main() -> None:
 
     window = max(args.steps // 3, 1)
     with tempfile.TemporaryDirectory() as run_dir:
-        overrides = [*args.overrides, f"train.steps={args.steps}", f"train.log_every={window}",
-                     f"train.run_dir={run_dir}", "checkpoint.enabled=false"]
+        overrides = [
+            *args.overrides,
+            f"train.steps={args.steps}",
+            f"train.log_every={window}",
+            f"train.run_dir={run_dir}",
+            "checkpoint.enabled=false",
+        ]
         cfg = load_config(args.config, overrides)
         result = train(cfg)
     last = result.records[-1]

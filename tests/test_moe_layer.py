@@ -107,7 +107,9 @@ def test_dense_matches_loop_reference(name: str) -> None:
     y, aux = _forward(cfg)(params, x)
     want, idx = moe_ref(jax.device_get(params), np.asarray(x), cfg)
     assert rel_err(y, want) < TOL
-    np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(idx.reshape(-1), minlength=cfg.num_experts))
+    np.testing.assert_array_equal(
+        aux["tokens_per_expert"], np.bincount(idx.reshape(-1), minlength=cfg.num_experts)
+    )
     assert int(aux["num_dropped"]) == 0 and float(aux["drop_rate"]) == 0.0
 
 
@@ -148,13 +150,18 @@ def test_padded_equals_dense_values_and_grads(cfg: MoEConfig, cf, policy: str) -
     cfg = dataclasses.replace(cfg, capacity_factor=cf, drop_policy=policy)
     params, x = _params(cfg, skew=True), _skewed_x()
     proj = jax.random.normal(jax.random.key(7), (T, D))
-    (loss_d, (y_d, aux_d)), grads_d = _value_and_grad(dataclasses.replace(cfg, dispatch="dense"))(params, x, proj)
-    (loss_p, (y_p, aux_p)), grads_p = _value_and_grad(dataclasses.replace(cfg, dispatch="padded"))(params, x, proj)
+    (loss_d, (y_d, aux_d)), grads_d = _value_and_grad(dataclasses.replace(cfg, dispatch="dense"))(
+        params, x, proj
+    )
+    (loss_p, (y_p, aux_p)), grads_p = _value_and_grad(dataclasses.replace(cfg, dispatch="padded"))(
+        params, x, proj
+    )
 
     counts = np.asarray(aux_d["tokens_per_expert"])
     assert counts.max() >= 2 * T * cfg.top_k / cfg.num_experts and counts.min() == 0, counts  # skewed
     assert rel_err(y_p, y_d) < TOL
-    np.testing.assert_allclose(float(loss_p), float(loss_d), rtol=TOL)
+    # the loss is a sum with cancellation: compare against the size of its terms
+    assert abs(float(loss_p) - float(loss_d)) < TOL * float(jnp.sum(jnp.abs(y_d * proj)))
     assert rel_err(grads_p[1], grads_d[1]) < TOL  # x
     assert rel_err(grads_p[0]["router"]["kernel"], grads_d[0]["router"]["kernel"]) < TOL
     assert _rel_tree(grads_p[0]["experts"], grads_d[0]["experts"]) < TOL
@@ -210,7 +217,9 @@ def _mesh_cfg(num_experts: int, dispatch: str, cf) -> MoEConfig:
 
 
 @pytest.mark.parametrize(
-    "num_experts, mesh_shape, dispatch, cf", MESH_CASES, ids=[f"E{e}-{m}-{d}-cf{c}" for e, m, d, c in MESH_CASES]
+    "num_experts, mesh_shape, dispatch, cf",
+    MESH_CASES,
+    ids=[f"E{e}-{m}-{d}-cf{c}" for e, m, d, c in MESH_CASES],
 )
 def test_mesh_equals_no_mesh(num_experts: int, mesh_shape: tuple, dispatch: str, cf) -> None:
     cfg = _mesh_cfg(num_experts, dispatch, cf)

@@ -62,7 +62,9 @@ def test_softmax_qwen2_without_renormalisation_keeps_raw_probs() -> None:
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_sigmoid_bias_changes_selection_but_not_weights(norm: bool) -> None:
-    cfg = MoEConfig(num_experts=8, top_k=2, score_func="sigmoid", norm_topk_prob=norm, routed_scaling_factor=2.0)
+    cfg = MoEConfig(
+        num_experts=8, top_k=2, score_func="sigmoid", norm_topk_prob=norm, routed_scaling_factor=2.0
+    )
     x_TD, kernel_DE = _inputs(2, 8)
     plain, _ = _check_route(cfg, x_TD, kernel_DE, jnp.zeros(8))
     bias_E = jnp.zeros(8).at[5].set(10.0)  # forces expert 5 into every token's choice
@@ -110,7 +112,9 @@ def test_group_ranking_uses_top2_sum_not_max() -> None:
 
 
 def test_no_gradient_into_router_bias() -> None:
-    cfg = MoEConfig(num_experts=8, top_k=2, score_func="sigmoid", num_groups=4, topk_groups=2, norm_topk_prob=True)
+    cfg = MoEConfig(
+        num_experts=8, top_k=2, score_func="sigmoid", num_groups=4, topk_groups=2, norm_topk_prob=True
+    )
     x_TD, kernel_DE = _inputs(5, 8)
     proj = jnp.asarray(np.random.default_rng(6).standard_normal((T, 2)), jnp.float32)
 
@@ -148,7 +152,9 @@ def test_load_balance_loss_is_one_for_uniform_routing() -> None:
     np.testing.assert_allclose(float(loss), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind, seq_len", [("micro_batch", None), ("micro_batch", 8), ("sequence", 8), ("sequence", 32)])
+@pytest.mark.parametrize(
+    "kind, seq_len", [("micro_batch", None), ("micro_batch", 8), ("sequence", 8), ("sequence", 32)]
+)
 def test_load_balance_loss_formula(kind: str, seq_len: int | None) -> None:
     cfg = MoEConfig(num_experts=8, top_k=2, aux_loss_type=kind)
     x_TD, kernel_DE = _inputs(10, 8, scale=3.0)
@@ -197,7 +203,9 @@ def test_update_router_bias_moves_by_exactly_rate() -> None:
 
 
 def _keep(idx, wts, num_experts, capacity, policy):
-    keep, pos = keep_mask(jnp.asarray(idx, jnp.int32), jnp.asarray(wts, jnp.float32), num_experts, capacity, policy)
+    keep, pos = keep_mask(
+        jnp.asarray(idx, jnp.int32), jnp.asarray(wts, jnp.float32), num_experts, capacity, policy
+    )
     return np.asarray(keep), np.asarray(pos)
 
 
@@ -239,9 +247,13 @@ def _routings(draw):
         [draw(st.permutations(range(num_experts)))[:top_k] for _ in range(num_tokens)], np.int64
     ).reshape(num_tokens, top_k)
     # coarse weights so that ties (broken by token, then slot) are common
-    wts = np.asarray(
-        draw(st.lists(st.integers(0, 4), min_size=num_tokens * top_k, max_size=num_tokens * top_k)), np.float32
-    ).reshape(num_tokens, top_k) / 4
+    wts = (
+        np.asarray(
+            draw(st.lists(st.integers(0, 4), min_size=num_tokens * top_k, max_size=num_tokens * top_k)),
+            np.float32,
+        ).reshape(num_tokens, top_k)
+        / 4
+    )
     capacity = draw(st.one_of(st.none(), st.integers(1, num_tokens + 1)))
     policy = draw(st.sampled_from(["probs", "position"]))
     return idx, wts, num_experts, capacity, policy

@@ -34,7 +34,7 @@ class ModelSpec:
 
 def _nested(state: nnx.State, leaf_fn) -> dict:
     out: dict = {}
-    for path, var in state.flat_state():
+    for path, var in nnx.to_flat_state(state):
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -89,5 +89,5 @@ def init_params(spec: ModelSpec, key: jax.Array, mesh: Mesh | None = None, fsdp:
 
 def apply(spec: ModelSpec, params: dict, bias: dict, tokens_BS: jax.Array, mesh: Mesh | None = None):
     """Float32 logits [B,S,V] and stacked MoE aux values."""
-    model = nnx.merge(spec.graphdef, nnx.State(params), nnx.State(bias))
+    model = nnx.merge(spec.graphdef, params, bias)
     return model(tokens_BS, mesh)

@@ -81,7 +81,8 @@ def load_balance_loss(
 
     Equals 1 for perfectly uniform routing. `micro_batch` treats all T tokens as one
     group; `sequence` (DeepSeek-V3's sequence-wise loss) computes it per sequence of
-    `seq_len` tokens and averages.
+    `seq_len` tokens and averages (with `seq_len=None` the T tokens are one sequence,
+    which is the micro-batch loss).
     """
     if cfg.aux_loss_type == "none":
         return jnp.zeros((), jnp.float32)

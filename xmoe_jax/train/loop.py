@@ -36,6 +36,7 @@ class TrainingError(RuntimeError):
 class TrainResult:
     losses: dict[int, float]  # step -> loss, for every step run in this call
     final_step: int
+    skipped: list[int]  # steps not applied (non-finite loss or gradient, nan_policy=skip)
     records: list[dict]  # what was logged
 
 
@@ -111,6 +112,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main)
     losses: dict[int, float] = {}
     records: list[dict] = []
+    skipped: list[int] = []
 
     def check(step: int, metrics: dict) -> None:
         loss = float(metrics["loss"])
@@ -122,6 +124,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
             )
             if cfg.train.nan_policy == "stop":
                 raise TrainingError(msg + (f"; last checkpoint: step {ckpt.latest_step()}" if ckpt else ""))
+            skipped.append(step)
             log.warning("skipped: %s", msg)
 
     first = (start or 0) + 1
@@ -166,4 +169,4 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
             ckpt.wait()
             ckpt.close()
         logger.close()
-    return TrainResult(losses=losses, final_step=cfg.train.steps, records=records)
+    return TrainResult(losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records)

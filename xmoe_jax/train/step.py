@@ -99,7 +99,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     def step(state: dict, batch: dict) -> tuple[dict, dict[str, Any]]:
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss, (ce, aux_loss, z_loss, aux)), grads = grad_fn(state["params"], state["bias"], batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt = optimizer.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         bias = _update_biases(state["bias"], aux["tokens_per_expert"], bias_rate) if aux else state["bias"]

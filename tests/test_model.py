@@ -1,0 +1,167 @@
+"""The NNX model: abstract specs of full-size configs, logical axes, mesh invariance, GQA, causality."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from reference import attention_ref, rel_err
+
+from xmoe_jax import count_params
+from xmoe_jax.config import MeshConfig, ModelConfig, load_config
+from xmoe_jax.model import apply, init_params, model_spec
+from xmoe_jax.model.layers import Attention
+from xmoe_jax.sharding import PARAM_RULES, logical_to_spec, make_mesh
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+FULL_SIZE = ["small", "medium", "large", "super", "deepseek_moe_16b"]
+B, S = 8, 16
+
+
+def _leaves_with_paths(tree) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: isinstance(n, tuple))[0]
+
+
+def _tiny(**moe) -> ModelConfig:
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.dtype=float32"]).model
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe)) if moe else cfg
+
+
+# ----------------------------------------------------------------------------- abstract specs
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_full_size_spec_matches_param_count(name: str) -> None:
+    cfg = load_config(CONFIGS / f"{name}.yaml").model
+    spec = model_spec(cfg)  # abstract: a 545B model must not allocate
+    leaves = jax.tree.leaves(spec.params_shape)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(math.prod(x.shape) for x in leaves) == count_params(cfg).total
+    assert all(x.dtype == jnp.dtype(cfg.param_dtype) for x in leaves)
+    bias_leaves = jax.tree.leaves(spec.bias_shape)
+    assert len(bias_leaves) == (cfg.num_moe_layers if cfg.moe.has_router_bias else 0)
+    _check_logical(spec)
+
+
+def _check_logical(spec) -> None:
+    for shapes, logical in ((spec.params_shape, spec.params_logical), (spec.bias_shape, spec.bias_logical)):
+        shape_leaves = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
+        name_leaves = dict(_leaves_with_paths(logical))
+        assert shape_leaves.keys() == name_leaves.keys()
+        for path, x in shape_leaves.items():
+            names = name_leaves[path]
+            assert isinstance(names, tuple) and len(names) == len(x.shape), (path, names, x.shape)
+            assert all(n is None or n in PARAM_RULES for n in names), (path, names)
+            logical_to_spec(names, PARAM_RULES)  # every name has a rule
+            if any(getattr(k, "key", None) == "experts" for k in path):
+                assert names[0] == "experts", (path, names)
+
+
+def test_router_bias_lives_in_bias_tree_only_for_sigmoid() -> None:
+    softmax_spec = model_spec(_tiny())
+    assert jax.tree.leaves(softmax_spec.bias_shape) == []
+    sigmoid_cfg = _tiny(score_func="sigmoid", num_groups=2, topk_groups=1)
+    spec = model_spec(sigmoid_cfg)
+    flat = jax.tree_util.tree_flatten_with_path(spec.bias_shape)[0]
+    assert len(flat) == sigmoid_cfg.num_moe_layers
+    for path, x in flat:
+        assert x.shape == (sigmoid_cfg.moe.num_experts,) and x.dtype == jnp.float32
+        assert [getattr(k, "key", None) for k in path[-3:]] == ["moe", "router", "bias"]
+    # the bias is not a trainable parameter and not counted
+    param_paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec.params_shape)[0]
+    ]
+    assert not any("bias" in p for p in param_paths)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(spec.params_shape))
+    assert n_params == count_params(sigmoid_cfg).total
+    _check_logical(spec)
+
+
+# ----------------------------------------------------------------------------- tiny model numerics
+
+
+@functools.cache
+def _mesh():
+    return make_mesh(MeshConfig(data=2, expert=4))
+
+
+@functools.cache
+def _spec(dispatch: str):
+    return model_spec(_tiny(dispatch=dispatch))
+
+
+@functools.cache
+def _init(with_mesh: bool):
+    """(params, bias) of the tiny model; the dispatch mode does not change the tree."""
+    return init_params(_spec("dense"), jax.random.key(0), mesh=_mesh() if with_mesh else None)
+
+
+@functools.cache
+def _apply_fn(dispatch: str, with_mesh: bool):
+    spec = _spec(dispatch)
+    mesh = _mesh() if with_mesh else None
+    return jax.jit(lambda p, b, t: apply(spec, p, b, t, mesh))
+
+
+def _tokens(seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (B, S), 0, 256)
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "padded"])
+def test_tiny_logits_same_on_mesh(dispatch: str) -> None:
+    spec = _spec(dispatch)
+    params, bias = _init(False)
+    tokens = _tokens()
+    logits_ref, aux_ref = _apply_fn(dispatch, False)(params, bias, tokens)
+    # parameters created directly in their sharded layout are the same numbers
+    params_m, bias_m = _init(True)
+    assert jax.tree.structure(params_m) == jax.tree.structure(params)
+    assert max(jax.tree.leaves(jax.tree.map(rel_err, params_m, params))) == 0.0
+    logits, aux = _apply_fn(dispatch, True)(params_m, bias_m, tokens)
+    assert logits.shape == (B, S, spec.cfg.vocab_size) and logits.dtype == jnp.float32
+    assert rel_err(logits, logits_ref) < 1e-5
+    np.testing.assert_array_equal(aux["tokens_per_expert"], aux_ref["tokens_per_expert"])
+    assert aux["tokens_per_expert"].shape == (spec.cfg.num_moe_layers, spec.cfg.moe.num_experts)
+
+
+def test_causality() -> None:
+    params, bias = _init(False)
+    fn = _apply_fn("dense", False)
+    tokens = _tokens(1)
+    t = 9
+    changed = tokens.at[:, t].set((tokens[:, t] + 1) % 256)
+    logits, _ = fn(params, bias, tokens)
+    logits2, _ = fn(params, bias, changed)
+    np.testing.assert_allclose(np.asarray(logits2[:, :t]), np.asarray(logits[:, :t]), rtol=1e-6, atol=1e-6)
+    # every sequence sees the change from position t on
+    assert float(jnp.abs(logits2[:, t] - logits[:, t]).max(-1).min()) > 1e-4
+
+
+def test_gqa_attention_matches_numpy_reference() -> None:
+    cfg = ModelConfig(
+        hidden=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_layers=1,
+        num_dense_layers=1,
+        moe=None,
+        dtype="float32",
+        init_std=0.3,
+        rope_theta=100.0,
+    )
+    attn = Attention(cfg, nnx.Rngs(params=0))
+    x = jax.random.normal(jax.random.key(3), (2, 12, 32), jnp.float32)
+    y = attn(x)
+    weights = [np.asarray(w[...]) for w in (attn.wq, attn.wk, attn.wv, attn.wo)]
+    assert weights[1].shape == (32, 2, 8) and weights[0].shape == (32, 4, 8)
+    for b in range(x.shape[0]):
+        want = attention_ref(np.asarray(x[b]), *weights, theta=cfg.rope_theta)
+        assert rel_err(y[b], want) < 1e-5

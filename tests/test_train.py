@@ -1,0 +1,184 @@
+"""End-to-end trainer tests on the tiny model (CPU, 8 fake devices)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from xmoe_jax.cli import params_main, train_main
+from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.train.checkpoint import CheckpointError
+from xmoe_jax.train.loop import TrainingError, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def tiny(run_dir, *overrides):
+    return load_config(TINY, [f"train.run_dir={run_dir}", "train.log_every=1", *overrides])
+
+
+# A small, fixed recipe shared by the resume tests: expert parallel, dropping padded dispatch,
+# sigmoid routing with the aux-loss-free bias update, so resume covers every piece of state.
+EP = [
+    "mesh.data=2",
+    "mesh.expert=4",
+    "model.moe.dispatch=padded",
+    "model.moe.capacity_factor=1.0",
+    "model.moe.score_func=sigmoid",
+    "model.moe.bias_update_rate=0.01",
+    "checkpoint.every=3",
+    "checkpoint.async_save=true",
+]
+
+
+def test_resume_is_exact(tmp_path):
+    full = train(tiny(tmp_path / "full", "train.steps=6", *EP))
+    first = train(tiny(tmp_path / "split", "train.steps=3", *EP))
+    assert sorted(first.losses) == [1, 2, 3]
+    second = train(tiny(tmp_path / "split", "train.steps=6", *EP), resume=True)
+    assert sorted(second.losses) == [4, 5, 6]
+    resumed = {**first.losses, **second.losses}
+    assert resumed == full.losses  # bitwise: same data position, state, RNG and bias
+    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_existing_run_dir_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    train(tiny(run, "train.steps=2", "checkpoint.every=2"))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="--resume"):
+        train(tiny(run, "train.steps=4"))
+    after = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_incompatible_checkpoint_is_refused_before_compiling(tmp_path):
+    run = tmp_path / "run"
+    train(tiny(run, "train.steps=2", "checkpoint.every=2"))
+    with pytest.raises(CheckpointError, match="model.hidden"):
+        train(tiny(run, "train.steps=4", "model.hidden=32", "model.head_dim=8"), resume=True)
+
+
+def test_nan_stops_with_clear_message_and_keeps_state(tmp_path):
+    with pytest.raises(TrainingError, match="non-finite loss") as err:
+        train(
+            tiny(
+                tmp_path / "nan",
+                "train.steps=8",
+                "optimizer.lr=1e30",
+                "optimizer.warmup_steps=0",
+                "optimizer.grad_clip=null",
+                "checkpoint.enabled=false",
+            )
+        )
+    assert "nan_policy=skip" in str(err.value)
+
+
+def test_nan_skip_policy_completes(tmp_path):
+    result = train(
+        tiny(
+            tmp_path / "skip",
+            "train.steps=6",
+            "optimizer.lr=1e30",
+            "optimizer.warmup_steps=0",
+            "optimizer.grad_clip=null",
+            "train.nan_policy=skip",
+            "checkpoint.enabled=false",
+        )
+    )
+    assert sorted(result.losses) == [1, 2, 3, 4, 5, 6]
+    assert result.skipped and result.skipped[-1] == 6  # once parameters blow up, every step is refused
+
+
+def test_bad_inputs_fail_before_compiling(tmp_path):
+    with pytest.raises(ConfigError, match="data.path"):
+        train(tiny(tmp_path / "a", "data.source=text", f"data.path={tmp_path / 'missing.txt'}"))
+    with pytest.raises(ConfigError, match="devices"):
+        train(tiny(tmp_path / "b", "mesh.data=3", "mesh.expert=1"))
+    with pytest.raises(ConfigError, match="batch_size"):
+        train(tiny(tmp_path / "c", "train.batch_size=4", "mesh.data=8"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cli_reports_bad_config_in_one_line(tmp_path, capsys):
+    assert train_main(["--config", str(TINY), "--set", "model.moe.topk=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key model.moe.topk" in err[0]
+    assert train_main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_params_cli_prints_table(capsys):
+    assert params_main(["--config", str(REPO / "configs" / "small.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "paper units" in out and "10.06" in out
+
+
+@pytest.mark.skipif(not TEXT.exists(), reason=f"corpus {TEXT} not present (shared/ beside the repo)")
+def test_loss_falls_on_text_with_metrics_file(tmp_path):
+    run = tmp_path / "text"
+    cfg = tiny(
+        run,
+        "data.source=text",
+        f"data.path={TEXT}",
+        "train.steps=60",
+        "train.log_every=20",
+        "checkpoint.enabled=false",
+        "mesh.data=4",
+        "mesh.expert=2",
+        "model.moe.dispatch=padded",
+    )
+    result = train(cfg)
+    start, last = result.losses[1], result.records[-1]["loss"]
+    assert start > 5.0 and last < 3.3, (start, last)  # from ln(256) ~ 5.5 to clearly below uniform
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [20, 40, 60]
+    for key in (
+        "loss",
+        "tokens_per_s",
+        "tflops_per_device",
+        "expert_imbalance",
+        "drop_rate",
+        "lr",
+        "grad_norm",
+    ):
+        assert key in lines[-1]
+    assert len(lines[-1]["expert_imbalance"]) == cfg.model.num_moe_layers
+    assert (run / "config.yaml").exists()
+
+
+def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
+    cfg = tiny(
+        tmp_path / "bias",
+        "train.steps=3",
+        "model.moe.score_func=sigmoid",
+        "model.moe.bias_update_rate=0.05",
+        "checkpoint.every=3",
+    )
+    train(cfg)
+    from xmoe_jax.model import functional as fmodel
+    from xmoe_jax.train import step as tstep
+    from xmoe_jax.train.checkpoint import Checkpointer
+    from xmoe_jax.train.optimizer import make_optimizer
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1, 1), ("data", "expert", "tensor"))
+    spec = fmodel.model_spec(cfg.model)
+    opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+    abstract = tstep.abstract_state(spec, opt, tstep.state_shardings(spec, opt, mesh))
+    with Checkpointer(tmp_path / "bias" / "checkpoints", cfg.checkpoint) as ckpt:
+        state = ckpt.restore(abstract)
+    biases = [layer["moe"]["router"]["bias"] for layer in state["bias"]["layers"].values()]
+    for b in biases:  # three sign steps of 0.05 each: every entry is a multiple of 0.05 within 0.15
+        b = np.asarray(b)
+        assert np.allclose(np.round(b / 0.05) * 0.05, b, atol=1e-6) and np.abs(b).max() <= 0.15 + 1e-6
+        assert np.abs(b).max() > 0
+    # the optimizer never sees the bias: no leaf of its state has the bias' shape path
+    flat = jax.tree_util.tree_flatten_with_path(state["opt"])[0]
+    assert not any("bias" in jax.tree_util.keystr(path) for path, _ in flat)
