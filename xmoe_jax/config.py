@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-DISPATCH_MODES = ("dense", "padded")
+DISPATCH_MODES = ("dense", "padded", "pft")
+TRANSPORTS = ("auto", "ragged", "emulated")
 ACTIVATIONS = ("swiglu", "gelu")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -61,6 +62,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_update_rate: float = 0.0  # aux-loss-free balancing (sigmoid routing)
+    # pft: receive buffer rows = recv_buffer_factor * (tokens per shard) * top_k; None = worst case
+    recv_buffer_factor: float | None = None
+    transport: str = "auto"  # pft exchange: ragged_all_to_all on GPU, exact emulation elsewhere
 
     def __post_init__(self) -> None:
         p = "moe."
@@ -103,6 +107,12 @@ class MoEConfig:
                 f"{p}capacity_factor={self.capacity_factor} must be > 0 (or null for dropless)",
             )
         _check(self.bias_update_rate >= 0, f"{p}bias_update_rate must be >= 0")
+        _choice(p + "transport", self.transport, TRANSPORTS)
+        if self.recv_buffer_factor is not None:
+            _check(
+                self.recv_buffer_factor > 0,
+                f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
+            )
 
     @property
     def shared_hidden(self) -> int:

@@ -42,3 +42,18 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
         g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
         y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
     return y_TD
+
+
+def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str) -> jax.Array:
+    """Experts over a flat expert-major buffer: rows of group e go through expert e.
+
+    Rows past sum(group_sizes_E) give zero. Grouped GEMMs via `jax.lax.ragged_dot`
+    (the kernels in xmoe_jax.pallas replace it on GPU).
+    """
+    dtype = x_RD.dtype
+    gs_E = group_sizes_E.astype(jnp.int32)
+    h_up = jax.lax.ragged_dot(x_RD, experts["w_up"].astype(dtype), gs_E)
+    h_gate = None
+    if activation == "swiglu":
+        h_gate = jax.lax.ragged_dot(x_RD, experts["w_gate"].astype(dtype), gs_E)
+    return jax.lax.ragged_dot(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E)

@@ -75,32 +75,51 @@ def tokens_per_expert(topk_idx_TK: jax.Array, num_experts: int) -> jax.Array:
 
 
 def load_balance_loss(
-    scores_TE: jax.Array, topk_idx_TK: jax.Array, cfg: MoEConfig, seq_len: int | None = None
+    scores_TE: jax.Array,
+    topk_idx_TK: jax.Array,
+    cfg: MoEConfig,
+    seq_len: int | None = None,
+    axis_names: tuple[str, ...] = (),
 ) -> jax.Array:
     """sum_e f_e * P_e with f_e = E/(K*T) * count_e and P_e = mean_t scores_te.
 
     Equals 1 for perfectly uniform routing. `micro_batch` treats all T tokens as one
     group; `sequence` (DeepSeek-V3's sequence-wise loss) computes it per sequence of
     `seq_len` tokens and averages (with `seq_len=None` the T tokens are one sequence,
-    which is the micro-batch loss).
+    which is the micro-batch loss). Inside shard_map, `axis_names` are the mesh axes
+    the tokens are split over: the statistics are reduced over them, so the loss is
+    that of the whole batch.
     """
     if cfg.aux_loss_type == "none":
         return jnp.zeros((), jnp.float32)
     num_tokens, num_experts = scores_TE.shape
-    group = num_tokens if (cfg.aux_loss_type == "micro_batch" or seq_len is None) else seq_len
-    if num_tokens % group:
-        raise ValueError(f"sequence-wise aux loss: {num_tokens} tokens are not a multiple of seq_len={group}")
-    num_seq = num_tokens // group
-    one_hot_BSE = jax.nn.one_hot(topk_idx_TK, num_experts, dtype=jnp.float32).sum(1)
-    one_hot_BSE = one_hot_BSE.reshape(num_seq, group, num_experts)
-    f_BE = one_hot_BSE.sum(1) * (num_experts / (cfg.top_k * group))
-    p_BE = scores_TE.reshape(num_seq, group, num_experts).mean(1)
-    return (f_BE * p_BE).sum(-1).mean()
+    counts_TE = jax.nn.one_hot(topk_idx_TK, num_experts, dtype=jnp.float32).sum(1)
+    if cfg.aux_loss_type == "micro_batch" or seq_len is None:
+        total = _psum(jnp.asarray(num_tokens, jnp.float32), axis_names)
+        f_E = _psum(counts_TE.sum(0), axis_names) * (num_experts / (cfg.top_k * total))
+        p_E = _psum(scores_TE.sum(0), axis_names) / total
+        return (f_E * p_E).sum()
+    if num_tokens % seq_len:
+        raise ValueError(
+            f"sequence-wise aux loss: {num_tokens} tokens are not a multiple of seq_len={seq_len}"
+        )
+    num_seq = num_tokens // seq_len
+    f_BE = counts_TE.reshape(num_seq, seq_len, num_experts).sum(1) * (num_experts / (cfg.top_k * seq_len))
+    p_BE = scores_TE.reshape(num_seq, seq_len, num_experts).mean(1)
+    return _pmean((f_BE * p_BE).sum(-1).mean(), axis_names)
 
 
-def z_loss(logits_TE: jax.Array) -> jax.Array:
+def _psum(x: jax.Array, axis_names: tuple[str, ...]) -> jax.Array:
+    return jax.lax.psum(x, axis_names) if axis_names else x
+
+
+def _pmean(x: jax.Array, axis_names: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pmean(x, axis_names) if axis_names else x
+
+
+def z_loss(logits_TE: jax.Array, axis_names: tuple[str, ...] = ()) -> jax.Array:
     """Router z-loss: mean over tokens of logsumexp(logits)^2 (ST-MoE)."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+    return _pmean(jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))), axis_names)
 
 
 def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:

@@ -1,0 +1,123 @@
+"""Padding-free row exchange between the devices of one mesh axis.
+
+Shapes: P devices on the axis (peers), D model, rows of a ragged buffer.
+
+A `Plan` describes one ragged all-to-all from the caller's point of view, in the
+argument convention of `jax.lax.ragged_all_to_all`:
+  input_offsets_P[j]   where the rows for peer j start in my send buffer;
+  send_sizes_P[j]      how many rows I send to peer j;
+  output_offsets_P[j]  where my rows land in peer j's receive buffer;
+  recv_sizes_P[j]      how many rows I receive from peer j;
+  recv_offsets_P[j]    where peer j's rows land in my receive buffer;
+  peer_offsets_P[j]    where the rows I receive from peer j sit in j's send buffer.
+`reverse()` swaps the roles, so the combine path (and every backward pass) sends
+rows back exactly where they came from.
+
+Transports, one function (`exchange`), differentiable through a custom VJP whose
+backward pass is the reverse exchange:
+  ragged    `jax.lax.ragged_all_to_all`: exactly the routed rows on the wire (GPU;
+            not implemented on XLA:CPU);
+  emulated  a dense `all_to_all` of per-peer chunks padded to a static bound, then
+            scattered to the same offsets: moves the same rows to the same places,
+            with padding on the wire. Works everywhere; the CPU tests use it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Plan(NamedTuple):
+    input_offsets_P: jax.Array
+    send_sizes_P: jax.Array
+    output_offsets_P: jax.Array
+    recv_sizes_P: jax.Array
+    recv_offsets_P: jax.Array
+    peer_offsets_P: jax.Array
+
+    def reverse(self) -> Plan:
+        return Plan(
+            input_offsets_P=self.recv_offsets_P,
+            send_sizes_P=self.recv_sizes_P,
+            output_offsets_P=self.peer_offsets_P,
+            recv_sizes_P=self.send_sizes_P,
+            recv_offsets_P=self.input_offsets_P,
+            peer_offsets_P=self.output_offsets_P,
+        )
+
+
+def resolve_transport(transport: str) -> str:
+    """`auto` -> `ragged` on GPU (the only backend XLA implements it for), else `emulated`."""
+    if transport != "auto":
+        return transport
+    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm") else "emulated"
+
+
+def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+    del max_chunk
+    out_MD = jnp.zeros((out_rows, x_ND.shape[1]), x_ND.dtype)
+    return jax.lax.ragged_all_to_all(
+        x_ND,
+        out_MD,
+        plan.input_offsets_P,
+        plan.send_sizes_P,
+        plan.output_offsets_P,
+        plan.recv_sizes_P,
+        axis_name=axis_name,
+    )
+
+
+def _emulated(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+    rows_C = jnp.arange(max_chunk, dtype=jnp.int32)
+    src_PC = plan.input_offsets_P[:, None] + rows_C[None, :]
+    src_PC = jnp.where(rows_C[None, :] < plan.send_sizes_P[:, None], src_PC, x_ND.shape[0])
+    chunks_PCD = x_ND.at[src_PC].get(mode="fill", fill_value=0)
+    recv_PCD = jax.lax.all_to_all(chunks_PCD, axis_name, 0, 0)
+    dst_PC = plan.recv_offsets_P[:, None] + rows_C[None, :]
+    dst_PC = jnp.where(rows_C[None, :] < plan.recv_sizes_P[:, None], dst_PC, out_rows)
+    out_MD = jnp.zeros((out_rows, x_ND.shape[1]), x_ND.dtype)
+    return out_MD.at[dst_PC.reshape(-1)].set(recv_PCD.reshape(-1, x_ND.shape[1]), mode="drop")
+
+
+_TRANSPORTS = {"ragged": _ragged, "emulated": _emulated}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def exchange(x_ND, plan: Plan, out_rows: int, in_rows: int, axis_name: str, transport: str, max_chunk: int):
+    """Sends `plan.send_sizes_P[j]` rows of x to each peer j; returns the [out_rows, D] receive buffer.
+
+    `max_chunk` bounds the rows one peer sends another (the emulated transport pads to it);
+    `in_rows` is x's row count, needed to shape the backward pass's buffer.
+    """
+    del in_rows
+    return _TRANSPORTS[transport](x_ND, plan, out_rows, axis_name, max_chunk)
+
+
+def _exchange_fwd(x_ND, plan, out_rows, in_rows, axis_name, transport, max_chunk):
+    return exchange(x_ND, plan, out_rows, in_rows, axis_name, transport, max_chunk), plan
+
+
+def _exchange_bwd(out_rows, in_rows, axis_name, transport, max_chunk, plan, g_MD):
+    g_ND = _TRANSPORTS[transport](g_MD, plan.reverse(), in_rows, axis_name, max_chunk)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
+    return g_ND, zeros
+
+
+exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def wire_bytes(plan: Plan, me: jax.Array, row_bytes: int, transport: str, max_chunk: int) -> jax.Array:
+    """Bytes this device sends to other peers in one exchange (its rows to itself stay local).
+
+    `ragged` sends exactly the routed rows; `emulated` sends every padded chunk.
+    """
+    num_peers = plan.send_sizes_P.shape[0]
+    if transport == "emulated":
+        rows = jnp.asarray((num_peers - 1) * max_chunk, jnp.float32)
+    else:
+        rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)
+    return rows * row_bytes

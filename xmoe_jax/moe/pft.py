@@ -1,0 +1,137 @@
+"""`pft` dispatch: padding-free token buffers with a ragged exchange (X-MoE's PFT).
+
+Per device, inside one `shard_map` over the token axes; P peers on the expert axis,
+each holding L = E/P experts. Shapes: T local tokens, K top-k, A = T*K send rows,
+D model, E experts, L local experts, M receive rows.
+
+Steps:
+  1. the kept copies (after capacity) are placed expert-major into a flat [A, D]
+     send buffer; row = start of its expert + its position in the expert's queue
+     (no sort beyond the one `capacity.expert_positions` already did);
+  2. every device learns every device's per-expert counts (one small all-gather),
+     so send sizes, receive sizes and all offsets are computed on device, identical
+     everywhere, with no host synchronisation;
+  3. the receive buffer has a static M rows (worst case by default). If a peer
+     would overflow it, the rows past M (in source-then-expert order) are not sent,
+     counted as `num_overflow`, and contribute zero: never silently;
+  4. one ragged exchange moves exactly the routed rows (exchange.py);
+  5. received rows, ordered (source, local expert), are permuted into expert-major
+     groups and the local experts run as grouped GEMMs over the group sizes;
+  6. outputs go back by the reverse exchange and are combined with the routing weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from xmoe_jax.config import MoEConfig
+from xmoe_jax.moe.exchange import Plan, exchange, wire_bytes
+from xmoe_jax.moe.experts import grouped_experts
+
+
+def _exclusive_cumsum(x, axis=-1):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:
+    """Static receive-buffer rows M for T local tokens and P peers.
+
+    Worst case: every peer sends every token to min(K, L) of my experts. With
+    capacity, a peer sends at most L*C rows. `recv_buffer_factor` f caps M at
+    ceil(f * T * K) (f = 1 is the average load under perfect balance).
+    """
+    local_experts = cfg.num_experts // num_peers
+    worst = num_peers * num_tokens * min(cfg.top_k, local_experts)
+    if cfg.capacity_factor is not None:
+        worst = min(worst, num_peers * local_experts * cfg.capacity(num_tokens))
+    if cfg.recv_buffer_factor is not None:
+        worst = min(worst, math.ceil(cfg.recv_buffer_factor * num_tokens * cfg.top_k))
+    return max(worst, 1)
+
+
+def _grouped_index(cc_PL: jax.Array, num_rows: int) -> jax.Array:
+    """Row of each received row (ordered source-major) in the expert-major grouped buffer."""
+    seg_len = cc_PL.reshape(-1)
+    seg_end = jnp.cumsum(seg_len)
+    seg_start = seg_end - seg_len
+    seg_dest = (_exclusive_cumsum(cc_PL.sum(0))[None, :] + _exclusive_cumsum(cc_PL, axis=0)).reshape(-1)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(seg_end, rows, side="right"), seg_len.shape[0] - 1)
+    return jnp.where(rows < seg_end[-1], seg_dest[seg] + rows - seg_start[seg], num_rows)
+
+
+def pft_dispatch(
+    x_TD: jax.Array,
+    topk_idx_TK: jax.Array,
+    gate_TK: jax.Array,
+    keep_TK: jax.Array,
+    pos_TK: jax.Array,
+    experts: dict,
+    cfg: MoEConfig,
+    *,
+    axis_name: str | None,
+    num_peers: int,
+    transport: str,
+) -> tuple[jax.Array, dict]:
+    """Routed-expert output y_TD for this device's tokens, and exchange statistics."""
+    num_tokens, top_k = topk_idx_TK.shape
+    num_e, dim = cfg.num_experts, x_TD.shape[1]
+    local_e = num_e // num_peers
+    num_send = num_tokens * top_k
+
+    counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
+    dest_TK = jnp.where(keep_TK, _exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
+    x_send_AD = (
+        jnp.zeros((num_send, dim), x_TD.dtype)
+        .at[dest_TK.reshape(-1)]
+        .set(jnp.repeat(x_TD, top_k, axis=0), mode="drop")
+    )
+
+    if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
+        y_send_AD = grouped_experts(x_send_AD, experts, counts_E, cfg.activation)
+        sent_TK = keep_TK
+        stats = {"recv_rows": counts_E.sum(), "wire_bytes": jnp.zeros((), jnp.float32)}
+    else:
+        me = jax.lax.axis_index(axis_name)
+        num_recv = recv_rows(cfg, num_tokens, num_peers)
+        max_chunk = num_tokens * min(top_k, local_e)
+        counts_PE = jax.lax.all_gather(counts_E, axis_name)  # [source, expert]
+        block_PQL = counts_PE.reshape(num_peers, num_peers, local_e)  # source, dest, local expert
+        # each destination fills its M rows in (source, local expert) order; the rest overflow
+        flat_QX = block_PQL.transpose(1, 0, 2).reshape(num_peers, num_peers * local_e)
+        cc_QX = jnp.clip(num_recv - _exclusive_cumsum(flat_QX), 0, flat_QX)
+        cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
+        sizes_PQ = cc_PQL.sum(-1)
+        offsets_PQ = _exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
+        chunk_starts_PQ = _exclusive_cumsum(block_PQL.sum(-1))  # dest q's chunk in source p's buffer
+        plan = Plan(
+            input_offsets_P=chunk_starts_PQ[me],
+            send_sizes_P=sizes_PQ[me],
+            output_offsets_P=offsets_PQ[me],
+            recv_sizes_P=sizes_PQ[:, me],
+            recv_offsets_P=offsets_PQ[:, me],
+            peer_offsets_P=chunk_starts_PQ[:, me],
+        )
+        x_recv_MD = exchange(x_send_AD, plan, num_recv, num_send, axis_name, transport, max_chunk)
+        cc_PL = cc_PQL[:, me, :]
+        grouped_M = _grouped_index(cc_PL, num_recv)
+        x_grp_MD = jnp.zeros_like(x_recv_MD).at[grouped_M].set(x_recv_MD, mode="drop")
+        y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), cfg.activation)
+        y_recv_MD = y_grp_MD.at[grouped_M].get(mode="fill", fill_value=0)
+        y_send_AD = exchange(y_recv_MD, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk)
+        sent_E = cc_PQL[me].reshape(num_e)  # rows of each expert that fit at their destination
+        sent_TK = keep_TK & (pos_TK < sent_E[topk_idx_TK])
+        row_bytes = dim * jnp.dtype(x_TD.dtype).itemsize
+        stats = {
+            "recv_rows": cc_PL.sum(),
+            # dispatch + combine, both directions carry the same rows
+            "wire_bytes": 2 * wire_bytes(plan, me, row_bytes, transport, max_chunk),
+        }
+
+    y_TKD = y_send_AD.at[dest_TK].get(mode="fill", fill_value=0)
+    y_TD = jnp.einsum("tk,tkd->td", jnp.where(sent_TK, gate_TK, 0.0), y_TKD.astype(jnp.float32))
+    stats["num_overflow"] = jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32)
+    return y_TD.astype(x_TD.dtype), stats
