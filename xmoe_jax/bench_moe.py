@@ -1,0 +1,152 @@
+"""MoE-layer and exchange benchmarks (called by scripts/bench_moe_layer.py).
+
+Shapes: T tokens (all devices), D model, E experts, K top-k, F expert hidden, P peers.
+
+`moe_layer_case` times one MoE layer forward and forward+backward for a config on a
+mesh, with routing made uniform or skewed on purpose, and reads from the compiled
+program its temporary (activation) memory and collective traffic. `exchange_case`
+times the padding-free exchange alone against a dense all_to_all of the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xmoe_jax.benchmarking import time_fn
+from xmoe_jax.config import MoEConfig
+from xmoe_jax.hlo_stats import collective_stats
+from xmoe_jax.moe import init_moe_params, moe_layer
+from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport
+from xmoe_jax.moe.layer import TOKEN_AXES
+
+
+def skew_offsets(num_experts: int, skew: float) -> np.ndarray:
+    """Per-expert logit offsets: 0 = uniform; s > 0 gives Zipf-like loads ~ (e+1)^-s."""
+    return -skew * np.log(np.arange(1, num_experts + 1, dtype=np.float64))
+
+
+def make_inputs(cfg: MoEConfig, dim: int, num_tokens: int, skew: float, dtype, seed: int = 0):
+    """bf16 params and tokens; feature 0 is constant 1 so router row 0 sets per-expert offsets."""
+    kp, kx = jax.random.split(jax.random.key(seed))
+    params = init_moe_params(kp, dim, cfg, std=0.02, dtype=dtype)
+    params["router"]["kernel"] = (
+        params["router"]["kernel"].at[0].set(jnp.asarray(skew_offsets(cfg.num_experts, skew), dtype))
+    )
+    x_TD = jax.random.normal(kx, (num_tokens, dim), dtype).at[:, 0].set(1)
+    return params, x_TD
+
+
+def useful_flops(cfg: MoEConfig, dim: int, num_tokens: int) -> float:
+    """Forward + backward FLOPs of the routed experts for the copies actually routed (3x forward)."""
+    mats = 3 if cfg.activation == "swiglu" else 2
+    return 3 * 2 * num_tokens * cfg.top_k * mats * dim * cfg.expert_hidden
+
+
+def moe_layer_case(
+    cfg: MoEConfig, dim: int, num_tokens: int, mesh, skew: float, dtype=jnp.bfloat16, iters: int = 10
+) -> dict:
+    params, x_TD = make_inputs(cfg, dim, num_tokens, skew, dtype)
+    tok_sh = NamedSharding(mesh, PartitionSpec(TOKEN_AXES))
+    exp_sh = NamedSharding(mesh, PartitionSpec("expert"))
+    rep = NamedSharding(mesh, PartitionSpec())
+    p_sh = {
+        "router": jax.tree.map(lambda _: rep, params["router"]),
+        "experts": jax.tree.map(lambda _: exp_sh, params["experts"]),
+    }
+    params = jax.device_put(params, p_sh)
+    x_TD = jax.device_put(x_TD, tok_sh)
+    r_TD = jax.random.normal(jax.random.key(1), x_TD.shape, dtype)
+
+    def objective(params, x_TD):
+        y_TD, aux = moe_layer(params, x_TD, cfg, mesh=mesh)
+        return jnp.sum(y_TD.astype(jnp.float32) * r_TD.astype(jnp.float32)) + aux["aux_loss"], aux
+
+    fwd = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+    train = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+    compiled = train.lower(params, x_TD).compile()
+    mem = compiled.memory_analysis()
+    coll = collective_stats(compiled.as_text())
+    _, aux = fwd(params, x_TD)
+    t_fwd = time_fn(fwd, params, x_TD, iters=iters)
+    t_step = time_fn(compiled, params, x_TD, iters=iters)
+    flops = useful_flops(cfg, dim, num_tokens)
+    out = {
+        "dispatch": cfg.dispatch,
+        "capacity_factor": cfg.capacity_factor,
+        "skew": skew,
+        "tokens": num_tokens,
+        "fwd_ms": 1e3 * t_fwd,
+        "fwd_bwd_ms": 1e3 * t_step,
+        "tokens_per_s": num_tokens / t_step,
+        "useful_tflops_per_device": flops / t_step / mesh.size / 1e12,
+        "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+        "drop_rate": float(aux["drop_rate"]),
+        "collectives": coll,
+    }
+    if "wire_bytes" in aux:
+        out["pft_wire_bytes_per_device"] = float(np.mean(np.asarray(aux["wire_bytes"])))
+        out["recv_rows_per_device"] = np.asarray(aux["recv_rows"]).tolist()
+        out["num_overflow"] = int(aux["num_overflow"])
+    return out
+
+
+def exchange_case(
+    mesh, rows_per_pair: int, dim: int, transport: str, dtype=jnp.bfloat16, iters: int = 20
+) -> dict:
+    """One forward exchange with every peer sending `rows_per_pair` rows to every other, vs all_to_all."""
+    peers = mesh.shape["expert"]
+    transport = resolve_transport(transport)
+    rows = peers * rows_per_pair
+    sizes_P = jnp.full((peers,), rows_per_pair, jnp.int32)
+    offs_P = jnp.arange(peers, dtype=jnp.int32) * rows_per_pair
+
+    def body(x_ND):
+        me = jax.lax.axis_index("expert")
+        plan = Plan(
+            offs_P,
+            sizes_P,
+            jnp.full((peers,), me * rows_per_pair, jnp.int32),
+            sizes_P,
+            offs_P,
+            jnp.full((peers,), me * rows_per_pair, jnp.int32),
+        )
+        return exchange(x_ND, plan, rows, rows, "expert", transport, rows_per_pair)
+
+    def dense(x_ND):
+        return jax.lax.all_to_all(x_ND.reshape(peers, rows_per_pair, dim), "expert", 0, 0).reshape(rows, dim)
+
+    spec = PartitionSpec("expert")
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (peers * rows, dim), dtype), NamedSharding(mesh, spec)
+    )
+    results = {}
+    for name, fn in (("exchange", body), ("dense_all_to_all", dense)):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+        t = time_fn(f, x, iters=iters)
+        wire = (peers - 1) * rows_per_pair * dim * jnp.dtype(dtype).itemsize  # per device, off-device rows
+        results[name] = {"ms": 1e3 * t, "GBps_per_device": wire / t / 1e9}
+    return {
+        "transport": transport,
+        "rows_per_pair": rows_per_pair,
+        "dim": dim,
+        **results,
+        "ratio_vs_dense": results["dense_all_to_all"]["ms"] / results["exchange"]["ms"],
+    }
+
+
+def small_shapes(**overrides) -> tuple[MoEConfig, int]:
+    """The X-MoE paper's Small expert shapes: D=2048, F=1408, E=64, k=6, GELU experts."""
+    cfg = MoEConfig(num_experts=64, top_k=6, expert_hidden=1408, activation="gelu", aux_loss_weight=0.01)
+    return dataclasses.replace(cfg, **overrides), 2048
+
+
+def padded_capacity_rows(cfg: MoEConfig, num_tokens: int) -> int:
+    return cfg.num_experts * math.ceil(
+        (cfg.capacity_factor or 1.0) * num_tokens * cfg.top_k / cfg.num_experts
+    )

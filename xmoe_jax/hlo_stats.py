@@ -1,0 +1,61 @@
+"""Collective traffic read from compiled HLO text (for benchmarks and sharding comparisons).
+
+Counts every collective op in the optimized module and the bytes of its result
+shape(s): for all-to-all that is the buffer each device exchanges (including the
+slice it keeps), for all-gather the gathered result, for reduce-scatter the
+scattered piece, for all-reduce the reduced buffer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+COLLECTIVES = (
+    "ragged-all-to-all",
+    "all-to-all",
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "collective-permute",
+)
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_OP = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(re.escape(c) for c in COLLECTIVES) + r")(-start)?\(")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{op: {"count": n, "bytes": result bytes summed}} over the module (async pairs counted once)."""
+    stats: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for line in hlo_text.splitlines():
+        m = _OP.search(line)
+        if not m or "-done(" in line:
+            continue
+        op = m.group(2)
+        stats[op]["count"] += 1
+        stats[op]["bytes"] += _shape_bytes(m.group(1))
+    return dict(stats)
