@@ -1,0 +1,354 @@
+"""`pft` dispatch against the dense oracle on fake CPU meshes: values, gradients and load statistics.
+
+The oracle runs the whole batch without a mesh: `router.route` + `dense.dense_dispatch` with
+gate = weight * mask, where mask says which routed copies pft is expected to keep. The mask is
+derived independently in NumPy (`_simulate`): capacity per source shard (`keep_ref` on each of
+the data*expert contiguous token shards, in the order PartitionSpec(("data", "expert")) shards
+dim 0), then each destination device accepts rows in (source, local expert) order, each expert's
+copies in queue order, up to M = pft.recv_rows(cfg, T_local, P) rows.
+
+T=64 tokens, D=16, F=16, float32. Compiled functions are cached per (config, mesh layout), and
+the skew / property tests reuse the functions of the equivalence tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import keep_ref, moe_ref, rel_err
+
+from xmoe_jax.config import MeshConfig, MoEConfig
+from xmoe_jax.moe import init_moe_params, moe_layer, router
+from xmoe_jax.moe.dense import dense_dispatch
+from xmoe_jax.moe.experts import shared_experts
+from xmoe_jax.moe.pft import recv_rows
+from xmoe_jax.sharding import make_mesh
+
+T, D, F = 64, 16, 16
+TOL = 1e-5
+
+# swiglu, softmax top-k, gated shared expert
+CFG_A = MoEConfig(
+    num_experts=8, top_k=2, expert_hidden=F, num_shared_experts=1, shared_expert_gate=True, dispatch="pft"
+)
+# gelu, DeepSeek-V3 sigmoid with groups and scaling, no shared expert
+CFG_B = MoEConfig(
+    num_experts=16,
+    top_k=4,
+    expert_hidden=F,
+    activation="gelu",
+    score_func="sigmoid",
+    num_groups=4,
+    topk_groups=2,
+    routed_scaling_factor=2.5,
+    dispatch="pft",
+)
+CFGS = {"A": CFG_A, "B": CFG_B}
+
+
+def _offsets(num_experts: int, kind: str) -> np.ndarray:
+    """Per-expert router-column offsets; inputs have mean +1 per feature, so +c shifts logits by ~16c."""
+    off = np.zeros(num_experts, np.float32)
+    if kind == "strong":  # everything to the first device's experts of a 4-way expert axis
+        n_hot = num_experts // 4
+        off[:n_hot], off[n_hot:] = 0.5, -0.5
+    elif kind == "moderate":  # experts 0, 2 popular; 1, 3 empty (interleaved with used ones)
+        off[[0, 2]], off[[1, 3]] = 0.15, -1.0
+    return off
+
+
+def _params(cfg: MoEConfig, offsets=None, seed: int = 1) -> dict:
+    params = init_moe_params(jax.random.key(seed), D, cfg, std=0.2)
+    if "bias" in params["router"]:
+        params["router"]["bias"] = 0.1 * jax.random.normal(jax.random.key(seed + 100), (cfg.num_experts,))
+    if offsets is not None:
+        params["router"]["kernel"] = params["router"]["kernel"] + jnp.asarray(offsets)[None, :]
+        if "bias" in params["router"]:  # saturated sigmoid scores: let the selection bias agree
+            params["router"]["bias"] = params["router"]["bias"] + jnp.asarray(offsets)
+    return params
+
+
+def _x(seed: int = 0, shift: float = 0.0) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (T, D), jnp.float32) + shift
+
+
+def _proj() -> jax.Array:
+    return jax.random.normal(jax.random.key(7), (T, D), jnp.float32)
+
+
+def _oracle_cfg(cfg: MoEConfig) -> MoEConfig:
+    return dataclasses.replace(cfg, dispatch="dense", capacity_factor=None, recv_buffer_factor=None)
+
+
+@functools.cache
+def _mesh(layout: tuple):
+    data, expert, tensor = layout
+    return make_mesh(MeshConfig(data=data, expert=expert, tensor=tensor))
+
+
+@functools.cache
+def _pft_fn(cfg: MoEConfig, layout: tuple | None):
+    mesh = None if layout is None else _mesh(layout)
+
+    def loss(p, x, proj):
+        y, aux = moe_layer(p, x, cfg, mesh=mesh)
+        return jnp.sum(y * proj) + aux["aux_loss"] + 0.1 * aux["z_loss"], (y, aux)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@functools.cache
+def _route_fn(cfg: MoEConfig):
+    def fn(p, x):
+        bias = p["router"].get("bias") if cfg.has_router_bias else None
+        r = router.route(x, p["router"]["kernel"], bias, cfg)
+        return r.topk_idx_TK, r.topk_weight_TK
+
+    return jax.jit(fn)
+
+
+@functools.cache
+def _oracle_fn(cfg: MoEConfig):
+    """Dense oracle of the whole batch with an explicit [T, K] mask on the combine weights."""
+
+    def loss(p, x, proj, mask_TK):
+        bias = p["router"].get("bias") if cfg.has_router_bias else None
+        r = router.route(x, p["router"]["kernel"], bias, cfg)
+        gate_TK = r.topk_weight_TK * mask_TK
+        y = dense_dispatch(x, r.topk_idx_TK, gate_TK, p["experts"], cfg.activation, lambda a, _: a)
+        if cfg.num_shared_experts:
+            y = y + shared_experts(x, p["shared"], cfg.activation)
+        aux_loss = router.load_balance_loss(r.scores_TE, r.topk_idx_TK, cfg)
+        z = router.z_loss(r.logits_TE)
+        return jnp.sum(y * proj) + aux_loss + 0.1 * z, (y, aux_loss, z)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+# ----------------------------------------------------------------------------- independent keep / overflow model
+
+
+def _priority(idx_TK, wts_TK, policy: str) -> list[tuple[int, int]]:
+    copies = [(t, k) for t in range(idx_TK.shape[0]) for k in range(idx_TK.shape[1])]
+    if policy == "probs":
+        copies.sort(key=lambda c: (-float(wts_TK[c]), c[0], c[1]))
+    else:
+        copies.sort(key=lambda c: (c[1], c[0]))
+    return copies
+
+
+def _simulate(idx_TK, wts_TK, cfg: MoEConfig, layout: tuple | None):
+    """(keep_TK, sent_TK, recv_rows per device in (data, expert) order) for pft on `layout`."""
+    data, peers = (1, 1) if layout is None else layout[:2]
+    num_shards, num_e = data * peers, cfg.num_experts
+    t_loc, local_e = T // num_shards, num_e // peers
+    cap = cfg.capacity(t_loc) if cfg.capacity_factor is not None else None
+    shards = [slice(s * t_loc, (s + 1) * t_loc) for s in range(num_shards)]
+    keep = np.concatenate([keep_ref(idx_TK[s], wts_TK[s], num_e, cap, cfg.drop_policy) for s in shards])
+    sent = keep.copy()
+    if peers == 1:
+        return keep, sent, np.array([keep[s].sum() for s in shards])
+    room_per_dest = recv_rows(cfg, t_loc, peers)
+    recv = np.zeros(num_shards, np.int64)
+    queues = [_priority(idx_TK[s], wts_TK[s], cfg.drop_policy) for s in shards]
+    for g in range(data):
+        for q in range(peers):
+            room = room_per_dest
+            for p in range(peers):
+                s = g * peers + p
+                for e in range(q * local_e, (q + 1) * local_e):
+                    rows = [c for c in queues[s] if idx_TK[shards[s]][c] == e and keep[shards[s]][c]]
+                    fits = min(room, len(rows))
+                    room -= fits
+                    for t, k in rows[fits:]:
+                        sent[s * t_loc + t, k] = False
+            recv[g * peers + q] = room_per_dest - room
+    return keep, sent, recv
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def _check(cfg: MoEConfig, layout: tuple | None, params: dict, x: jax.Array) -> dict:
+    """pft on `layout` == dense oracle (values, grads incl. aux losses, load statistics)."""
+    proj = _proj()
+    idx, wts = (np.asarray(a) for a in _route_fn(_oracle_cfg(cfg))(params, x))
+    keep, sent, recv = _simulate(idx, wts, cfg, layout)
+    mask = jnp.asarray(keep & sent, jnp.float32)
+
+    (_, (y, aux)), (g_p, g_x) = _pft_fn(cfg, layout)(params, x, proj)
+    (_, (y_o, aux_loss_o, z_o)), (go_p, go_x) = _oracle_fn(_oracle_cfg(cfg))(params, x, proj, mask)
+
+    assert rel_err(y, y_o) < TOL
+    assert rel_err(g_x, go_x) < TOL
+    assert jax.tree.structure(g_p) == jax.tree.structure(go_p)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(g_p):
+        want = functools.reduce(lambda t, k: t[k.key], path, go_p)
+        assert rel_err(leaf, want) < TOL, jax.tree_util.keystr(path)
+
+    num_e, top_k = cfg.num_experts, cfg.top_k
+    np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(idx.reshape(-1), minlength=num_e))
+    assert int(aux["num_dropped"]) == int((~keep).sum())
+    np.testing.assert_allclose(float(aux["drop_rate"]), (~keep).sum() / (T * top_k), rtol=1e-6)
+    assert int(aux["num_overflow"]) == int((keep & ~sent).sum())
+    np.testing.assert_array_equal(np.asarray(aux["recv_rows"]).reshape(-1), recv)
+    np.testing.assert_allclose(float(aux["aux_loss"]), float(aux_loss_o), rtol=TOL)
+    np.testing.assert_allclose(float(aux["z_loss"]), float(z_o), rtol=TOL)
+    if cfg.recv_buffer_factor is None:
+        assert int(aux["num_overflow"]) == 0
+    # the emulated transport pads every peer chunk to T_local * min(K, L) rows, both directions
+    data, peers = (1, 1) if layout is None else layout[:2]
+    t_loc, local_e = T // (data * peers), num_e // peers
+    want_bytes = 2 * (peers - 1) * t_loc * min(top_k, local_e) * D * 4
+    np.testing.assert_array_equal(np.asarray(aux["wire_bytes"]).reshape(-1), want_bytes)
+    return {"aux": aux, "grads": g_p, "keep": keep, "sent": sent, "idx": idx, "wts": wts}
+
+
+# ----------------------------------------------------------------------------- dropless
+
+DROPLESS_CASES = [
+    # (cfg, (data, expert, tensor) or None): experts per device E / expert
+    ("A", (1, 8, 1)),  # 1
+    ("A", (2, 4, 1)),  # 2
+    ("A", (4, 2, 1)),  # 4
+    ("A", (8, 1, 1)),  # 8, no exchange
+    ("A", (2, 2, 2)),  # 4, tensor axis (tokens replicated over it)
+    ("A", None),
+    ("B", (2, 4, 1)),  # 4
+    ("B", (1, 8, 1)),  # 2
+]
+
+
+@pytest.mark.parametrize("name, layout", DROPLESS_CASES, ids=[f"{n}-{m}" for n, m in DROPLESS_CASES])
+def test_dropless_equals_dense(name: str, layout) -> None:
+    cfg = CFGS[name]
+    out = _check(cfg, layout, _params(cfg), _x())
+    aux = out["aux"]
+    assert int(aux["num_dropped"]) == 0
+    assert int(np.asarray(aux["recv_rows"]).sum()) == T * cfg.top_k
+
+
+def test_oracle_matches_loop_reference() -> None:
+    """The mask oracle itself: with an all-ones mask it is the NumPy loop reference."""
+    for cfg in (CFG_A, CFG_B):
+        params, x = _params(cfg), _x()
+        ocfg = _oracle_cfg(cfg)
+        (_, (y, _, _)), _ = _oracle_fn(ocfg)(params, x, _proj(), jnp.ones((T, cfg.top_k)))
+        want, _ = moe_ref(jax.device_get(params), np.asarray(x), ocfg)
+        assert rel_err(y, want) < TOL
+
+
+def test_aux_equals_dense_layer_without_mesh() -> None:
+    cfg = CFG_A
+    params, x = _params(cfg, _offsets(8, "moderate")), _x(shift=1.0)
+    _, aux_d = jax.jit(lambda p, v: moe_layer(p, v, _oracle_cfg(cfg)))(params, x)
+    for layout in ((2, 4, 1), None):
+        (_, (_, aux)), _ = _pft_fn(cfg, layout)(params, x, _proj())
+        np.testing.assert_array_equal(aux["tokens_per_expert"], aux_d["tokens_per_expert"])
+        np.testing.assert_allclose(float(aux["aux_loss"]), float(aux_d["aux_loss"]), rtol=TOL)
+        np.testing.assert_allclose(float(aux["z_loss"]), float(aux_d["z_loss"]), rtol=TOL)
+        assert int(np.asarray(aux["recv_rows"]).sum()) == T * cfg.top_k
+        assert int(aux["num_dropped"]) == int(aux["num_overflow"]) == 0
+
+
+# ----------------------------------------------------------------------------- skew: empty experts, idle devices
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_skewed_routing_empty_experts_and_idle_devices(name: str) -> None:
+    cfg = CFGS[name]
+    layout = (2, 4, 1)
+    params, x = _params(cfg, _offsets(cfg.num_experts, "strong")), _x(shift=1.0)
+    out = _check(cfg, layout, params, x)
+    hot = cfg.num_experts // 4  # the experts of expert-rank 0
+    counts = np.asarray(out["aux"]["tokens_per_expert"])
+    assert counts[:hot].sum() == T * cfg.top_k and counts[hot:].sum() == 0, counts
+    recv_GQ = np.asarray(out["aux"]["recv_rows"]).reshape(2, 4)
+    np.testing.assert_array_equal(recv_GQ[:, 1:], 0)  # expert ranks 1-3 receive nothing
+    np.testing.assert_array_equal(recv_GQ[:, 0], T // 2 * cfg.top_k)
+    for key, w in out["grads"]["experts"].items():
+        assert float(jnp.abs(w[hot:]).max()) == 0.0, key  # empty experts: exactly zero gradient
+        assert bool(jnp.all(jnp.abs(w[:hot]).sum(axis=(1, 2)) > 0)), key
+
+
+# ----------------------------------------------------------------------------- dropping
+
+DROP_CASES = [
+    ("A", 0.5, "probs", (2, 4, 1)),
+    ("A", 0.5, "position", (4, 2, 1)),
+    ("A", 1.0, "probs", (1, 8, 1)),
+    ("A", 1.0, "position", (2, 2, 2)),
+    ("A", 0.5, "probs", None),
+    ("B", 1.0, "position", (2, 4, 1)),
+]
+
+
+@pytest.mark.parametrize(
+    "name, cf, policy, layout", DROP_CASES, ids=[f"{n}-cf{c}-{p}-{m}" for n, c, p, m in DROP_CASES]
+)
+def test_dropping_equals_dense_with_per_shard_keep_mask(name: str, cf: float, policy: str, layout) -> None:
+    cfg = dataclasses.replace(CFGS[name], capacity_factor=cf, drop_policy=policy)
+    params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
+    out = _check(cfg, layout, params, x)
+    assert int(out["aux"]["num_dropped"]) == int((~out["keep"]).sum()) > 0
+    # capacity is per source shard: here a whole-batch keep mask would keep other copies
+    if layout is not None and layout[0] * layout[1] > 1:
+        global_keep = keep_ref(out["idx"], out["wts"], cfg.num_experts, cfg.capacity(T), policy)
+        assert (global_keep != out["keep"]).any()
+
+
+# ----------------------------------------------------------------------------- receive-buffer overflow
+
+OVERFLOW_CASES = [
+    ("A", 0.25, "strong", (2, 4, 1)),
+    ("B", 0.5, "moderate", (1, 8, 1)),  # sigmoid weights near-tie: queue by position
+]
+
+
+@pytest.mark.parametrize(
+    "name, factor, skew, layout", OVERFLOW_CASES, ids=[f"{n}-f{f}-{s}-{m}" for n, f, s, m in OVERFLOW_CASES]
+)
+def test_receive_buffer_overflow_is_counted_and_zeroed(name: str, factor: float, skew: str, layout) -> None:
+    policy = "probs" if name == "A" else "position"
+    cfg = dataclasses.replace(CFGS[name], recv_buffer_factor=factor, drop_policy=policy)
+    params, x = _params(cfg, _offsets(cfg.num_experts, skew)), _x(shift=1.0)
+    out = _check(cfg, layout, params, x)
+    aux = out["aux"]
+    t_loc = T // (layout[0] * layout[1])
+    m_rows = recv_rows(cfg, t_loc, layout[1])
+    assert m_rows < t_loc * cfg.top_k * layout[1]  # smaller than the worst case
+    assert int(aux["num_overflow"]) > 0 and int(aux["num_dropped"]) == 0
+    assert int(np.asarray(aux["recv_rows"]).max()) == m_rows
+    assert int(np.asarray(aux["recv_rows"]).sum()) + int(aux["num_overflow"]) == T * cfg.top_k
+    # the same input with the default worst-case buffer: nothing overflows
+    out_default = _check(CFGS[name], layout, params, x) if (name, layout) in DROPLESS_CASES else None
+    if out_default is not None:
+        assert int(out_default["aux"]["num_overflow"]) == 0
+
+
+# ----------------------------------------------------------------------------- property test
+
+PROPERTY_VARIANTS = [
+    CFG_A,
+    dataclasses.replace(CFG_A, capacity_factor=0.5),
+    dataclasses.replace(CFG_A, recv_buffer_factor=0.25),
+]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    variant=st.sampled_from(range(len(PROPERTY_VARIANTS))),
+    offsets=st.lists(st.sampled_from([-1.0, -0.3, 0.0, 0.15, 0.3]), min_size=8, max_size=8),
+    x_seed=st.integers(0, 2**16),
+)
+def test_random_skew_pft_equals_dense(variant: int, offsets: list, x_seed: int) -> None:
+    cfg = PROPERTY_VARIANTS[variant]
+    params, x = _params(cfg, np.asarray(offsets, np.float32)), _x(x_seed, shift=1.0)
+    _check(cfg, (2, 4, 1), params, x)
