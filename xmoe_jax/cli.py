@@ -1,6 +1,7 @@
 """Command-line entry points: `xmoe-train` and `xmoe-params`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
+    xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
@@ -13,6 +14,7 @@ import argparse
 import logging
 import sys
 
+from xmoe_jax import distributed
 from xmoe_jax.config import ConfigError, load_config
 
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
@@ -42,6 +44,7 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--resume", action="store_true", help="continue the run in train.run_dir from its latest checkpoint"
     )
+    distributed.add_cli_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)
@@ -51,13 +54,17 @@ def train_main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        launch = distributed.initialize_from_args(args)  # before any other JAX use
+        distributed.quiet_unless_main(launch)
         result = train(cfg, resume=args.resume)
     except (ConfigError, CheckpointError, TrainingError) as err:
         return _fail(err)
     last = result.records[-1] if result.records else {}
-    print(
-        f"done: step {result.final_step}, loss {last.get('loss', float('nan')):.4f}, run dir {cfg.train.run_dir}"
-    )
+    if launch.process_id == 0:
+        print(
+            f"done: step {result.final_step}, loss {last.get('loss', float('nan')):.4f}, "
+            f"run dir {cfg.train.run_dir}"
+        )
     return 0
 
 

@@ -5,7 +5,10 @@ Each step directory holds three items:
 * ``state``  -- the train-state pytree (`StandardSave`): jax.Arrays, possibly sharded over a
   Mesh, plus python / numpy scalars. Restore reshards onto whatever target sharding the caller
   asks for, so a run may resume on a different mesh.
-* ``data``   -- the position of a grain `DatasetIterator` (`grain.checkpoint.CheckpointSave`).
+* ``data``   -- the position of a grain `DatasetIterator` (`grain.checkpoint.CheckpointSave`), one
+  file per process. Restored only by the same process count: with another count the per-process
+  streams differ, so the iterator instead starts at element `step` of this run's own stream (one
+  batch per step: as if the run had used this layout from step 1) and a warning is logged.
 * ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`.
 
 RNG keys: store `jax.random.key_data(key)` (a uint32 array) in the state and rebuild the key with
@@ -19,6 +22,8 @@ checkpoint at step 1.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,7 @@ import orbax.checkpoint as ocp
 from xmoe_jax.config import CheckpointConfig, Config, to_dict
 
 _ITEMS = ("state", "data", "config")
+log = logging.getLogger("xmoe_jax")
 
 
 class CheckpointError(RuntimeError):
@@ -95,6 +101,16 @@ def check_compatible(saved: dict, config: Config) -> None:
             f"checkpoint was written with {was}, this run has {now}; "
             "use the same model config or a new train.run_dir"
         )
+
+
+def _advance(data_iter: Any, num: int) -> None:
+    """Moves a fresh iterator forward by `num` elements (grain index state if it has one)."""
+    state = data_iter.get_state()
+    if isinstance(state, dict) and set(state) == {"next_index"}:
+        data_iter.set_state({"next_index": state["next_index"] + num})
+        return
+    for _ in range(num):
+        next(data_iter)
 
 
 # ----------------------------------------------------------------------------- checkpointer
@@ -266,13 +282,17 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has no 'state' item")
         self._check_state_layout(step, saved["state"], abstract_state)
         items: dict[str, Any] = {"state": ocp.args.StandardRestore(self._restore_targets(abstract_state))}
+        restart_data = False
         if data_iter is not None:
             if "data" not in saved:
                 raise CheckpointError(
                     f"checkpoint step {step} in {self.directory} holds no data iterator position (it was "
                     "saved with data_iter=None); restore with data_iter=None and rebuild the iterator"
                 )
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+            saved_count = self.data_process_count(step)
+            restart_data = saved_count is not None and saved_count != jax.process_count()
+            if not restart_data:
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # surface one error type with the step and directory
@@ -280,7 +300,28 @@ class Checkpointer:
                 f"restoring checkpoint step {step} from {self.directory} failed: {type(e).__name__}: {e}; "
                 "check that abstract_state matches the saved state (same model config)"
             ) from e
+        if restart_data:
+            _advance(data_iter, step)
+            log.warning(
+                "checkpoint step %d was written by %d process(es), this run has %d: the data position is "
+                "per process, so the input restarts at batch %d of this layout's stream (as if it had "
+                "run with %d processes from step 1); batches may repeat or be skipped relative to the "
+                "saved run",
+                step,
+                self.data_process_count(step),
+                jax.process_count(),
+                step,
+                jax.process_count(),
+            )
         return restored["state"]
+
+    def data_process_count(self, step: int) -> int | None:
+        """How many processes wrote the data position at `step` (None if unknown)."""
+        files = (self.directory / str(step) / "data").glob("process_*-of-*.json")
+        counts = {
+            int(m.group(1)) for f in files if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name))
+        }
+        return counts.pop() if len(counts) == 1 else None
 
     # -- lifecycle
 

@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 
 import jax
-import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
@@ -85,6 +85,8 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         raise ConfigError(
             f"the checkpoint is at step {start} >= train.steps={cfg.train.steps}; raise train.steps"
         )
+    if num_processes > 1:  # every process has checked the run directory before any writes to it
+        multihost_utils.sync_global_devices("xmoe_jax: run directory checked")
     is_main = process_index == 0
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main and start is None:
@@ -126,6 +128,16 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 raise TrainingError(msg + (f"; last checkpoint: step {ckpt.latest_step()}" if ckpt else ""))
             skipped.append(step)
             log.warning("skipped: %s", msg)
+        overflow = int(metrics.get("num_overflow", 0))
+        if overflow:
+            msg = (
+                f"step {step}: {overflow} routed token copies did not fit the pft receive buffers "
+                f"(model.moe.recv_buffer_factor={cfg.model.moe.recv_buffer_factor}); raise it, or set it "
+                "to null for the worst-case size"
+            )
+            if cfg.model.moe.capacity_factor is None:  # dropless promises no loss: stop
+                raise TrainingError(msg)
+            log.warning("%s; they were counted as dropped", msg)
 
     first = (start or 0) + 1
     pending: tuple[int, dict] | None = None
@@ -155,7 +167,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 if "tokens_per_expert" in metrics:
                     record.update(
                         expert_stats(
-                            np.asarray(metrics["tokens_per_expert"]), np.asarray(metrics["drop_rate"])
+                            metrics["tokens_per_expert"], metrics["drop_rate"], metrics.get("recv_rows")
                         )
                     )
                 records.append(record)

@@ -49,14 +49,21 @@ def peak_tflops(device_kind: str, override: float | None = None) -> float | None
     return None
 
 
-def expert_stats(tokens_per_expert_LE: np.ndarray, drop_rate_L: np.ndarray) -> dict:
-    """Per-layer load imbalance (max/mean routed copies) and drop rate."""
-    load = np.asarray(tokens_per_expert_LE, dtype=np.float64)
-    imbalance = load.max(-1) / np.maximum(load.mean(-1), 1e-9)
-    return {
-        "expert_imbalance": [round(float(v), 3) for v in imbalance],
+def _imbalance(load_LX) -> list[float]:
+    load = np.asarray(load_LX, dtype=np.float64)
+    return [round(float(v), 3) for v in load.max(-1) / np.maximum(load.mean(-1), 1e-9)]
+
+
+def expert_stats(tokens_per_expert_LE, drop_rate_L, recv_rows_LP=None) -> dict:
+    """Per-layer load imbalance (max/mean routed copies), drop rate and, for pft, the
+    imbalance of rows received per device (max/mean)."""
+    out = {
+        "expert_imbalance": _imbalance(tokens_per_expert_LE),
         "drop_rate": [round(float(v), 4) for v in np.asarray(drop_rate_L)],
     }
+    if recv_rows_LP is not None:
+        out["recv_imbalance"] = _imbalance(recv_rows_LP)
+    return out
 
 
 class MetricsLogger:

@@ -123,6 +123,9 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
         if aux:
             metrics["tokens_per_expert"] = aux["tokens_per_expert"]
             metrics["drop_rate"] = aux["drop_rate"]
+            if "num_overflow" in aux:
+                metrics["num_overflow"] = aux["num_overflow"].sum()
+                metrics["recv_rows"] = aux["recv_rows"]
         return new_state, metrics
 
     data_sh = batch_sharding(mesh, cfg)

@@ -1,0 +1,59 @@
+#!/bin/bash
+# xmoe_jax on a generic SLURM + NVIDIA GPU cluster: one JAX process per GPU (default) or per
+# node, NCCL for collectives. Submit from the repository root:
+#
+#   sbatch -N 2 --gpus-per-node=8 scripts/slurm_cuda.sh --config configs/small.yaml [xmoe-train args]
+#   DRY_RUN=1 NODES=2 GPUS_PER_NODE=8 bash scripts/slurm_cuda.sh --config configs/small.yaml   # plan only
+#
+# Settings (environment, all optional):
+#   XMOE_ENV       a venv holding jax[cuda13] + xmoe_jax (has bin/activate); default: already active
+#   XMOE_MODULES   modules to load first (site specific; default: none)
+#   GPUS_PER_NODE  default: SLURM_GPUS_ON_NODE, else 8
+#   MODE           per-gpu (default: --gpus-per-task=1, srun binds one GPU per task) or per-node
+#                  (one task per node seeing all its GPUs)
+#   NCCL_SOCKET_IFNAME / NCCL_IB_HCA / ...  site network settings, passed through unchanged
+#   DRY_RUN=1      print the environment, the srun line and every task's launch plan; launch nothing
+#
+#SBATCH -J xmoe
+#SBATCH -N 2
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH -t 01:00:00
+#SBATCH -o xmoe-%j.out
+set -euo pipefail
+
+DRY_RUN=${DRY_RUN:-0}
+MODE=${MODE:-per-gpu}
+NODES=${SLURM_JOB_NUM_NODES:-${NODES:-2}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+PYTHON=${PYTHON:-python3}
+
+run() {  # run a setup command, or show it under DRY_RUN
+  if [[ $DRY_RUN == 1 ]]; then echo "+ $*"; else "$@"; fi
+}
+
+for m in ${XMOE_MODULES:-}; do run module load "$m"; done
+if [[ -n ${XMOE_ENV:-} ]]; then run source "$XMOE_ENV/bin/activate"; fi
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+
+if [[ $MODE == per-node ]]; then
+  TASKS_PER_NODE=1
+  SRUN=(srun -N "$NODES" --ntasks-per-node=1 --gpus-per-node="$GPUS_PER_NODE")
+  PLAN=(--tasks-per-node 1 --gpus-per-node "$GPUS_PER_NODE")
+elif [[ $MODE == per-gpu ]]; then
+  TASKS_PER_NODE=$GPUS_PER_NODE
+  SRUN=(srun -N "$NODES" --ntasks-per-node="$GPUS_PER_NODE" --gpus-per-task=1)
+  PLAN=(--tasks-per-node "$GPUS_PER_NODE" --gpus-per-task 1)
+else
+  echo "error: MODE=$MODE; use per-gpu or per-node" >&2
+  exit 2
+fi
+CMD=("$PYTHON" -u -m xmoe_jax.cli "$@")
+
+if [[ $DRY_RUN == 1 ]]; then
+  echo "# environment"
+  env | grep -E '^(NCCL_|XLA_FLAGS|XMOE_|CUDA_VISIBLE_DEVICES)' | sort
+  echo "# launch ($TASKS_PER_NODE task(s) per node): ${SRUN[*]} ${CMD[*]}"
+  exec "$PYTHON" "$(dirname "$0")/launch_plan.py" --nodelist "${SLURM_JOB_NODELIST:-gpu[001-$(printf %03d "$NODES")]}" "${PLAN[@]}"
+fi
+exec "${SRUN[@]}" "${CMD[@]}"
