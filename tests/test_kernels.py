@@ -1,0 +1,412 @@
+"""Kernels (xmoe_jax.pallas): one suite run against every backend this machine has.
+
+On CPU that is "xla" (the oracle) and "pallas" in interpret mode; on a GPU also "triton" and
+"mgpu" when they can run. References are float64 NumPy loops written from the definitions;
+gradients are checked against jax.grad of an independent jnp formulation (einsum with a
+one-hot group mask / a dense permutation matrix). Inputs are fresh random draws per example,
+never zeros. Shapes are tiny and tiles 16 so interpret mode stays fast: K and N are not
+multiples of the tile, and group sizes come from hypothesis (empty groups, one group holding
+every row, sizes that are not tile multiples, sum(group_sizes) < R).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+
+R, K, N, E = 56, 40, 24, 4  # rows, contraction, columns, groups: R, K, N not multiples of TILE
+TILE = (16, 16, 16)
+T, TOP_K, D = 12, 3, 40  # tokens, top-k, model dim for permute/combine
+SETTINGS = settings(max_examples=6, deadline=None)
+
+
+def _available(impl: str) -> bool:
+    return dispatch.unavailable_reason(impl) is None
+
+
+BACKENDS = [
+    pytest.param(
+        impl,
+        marks=pytest.mark.skipif(not _available(impl), reason=f"{impl}: {dispatch.unavailable_reason(impl)}"),
+    )
+    for impl in dispatch.IMPLEMENTATIONS
+]
+PERMUTE_BACKENDS = ["xla", "pallas"]  # "triton"/"mgpu" run the pallas permute kernels
+
+
+# ---------------------------------------------------------------- references (float64 NumPy)
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), dtype=np.float64)
+
+
+def rel_err(got, want) -> float:
+    got, want = f64(got), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def group_rows(group_sizes) -> list[slice]:
+    ends = np.cumsum(group_sizes)
+    return [slice(int(e - s), int(e)) for s, e in zip(group_sizes, ends, strict=True)]
+
+
+def gmm_ref(lhs, rhs, group_sizes) -> np.ndarray:
+    lhs, rhs = f64(lhs), f64(rhs)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    for e, rows in enumerate(group_rows(group_sizes)):
+        out[rows] = lhs[rows] @ rhs[e]
+    return out
+
+
+def tgmm_ref(lhs, grad, group_sizes) -> np.ndarray:
+    lhs, grad = f64(lhs), f64(grad)
+    return np.stack([lhs[rows].T @ grad[rows] for rows in group_rows(group_sizes)])
+
+
+def permute_ref(x, dest, num_rows, weights=None) -> np.ndarray:
+    x, dest = f64(x), np.asarray(dest).reshape(-1)
+    w = np.ones(dest.shape) if weights is None else f64(weights).reshape(-1)
+    out = np.zeros((num_rows, x.shape[1]))
+    for a, r in enumerate(dest):
+        if 0 <= r < num_rows:
+            out[r] = x[a // TOP_K] * w[a]
+    return out
+
+
+def combine_ref(y, dest, weights) -> np.ndarray:
+    y, dest, w = f64(y), np.asarray(dest).reshape(T, TOP_K), f64(weights)
+    out = np.zeros((T, y.shape[1]))
+    for t in range(T):
+        for k in range(TOP_K):
+            if 0 <= dest[t, k] < y.shape[0]:
+                out[t] += w[t, k] * y[dest[t, k]]
+    return out
+
+
+def gmm_jnp(lhs, rhs, group_sizes):
+    """Independent differentiable formulation: a one-hot [R, E] group mask in one einsum."""
+    group_R = jnp.sum(jnp.arange(lhs.shape[0])[:, None] >= jnp.cumsum(group_sizes)[None, :], axis=1)
+    onehot_RE = jax.nn.one_hot(group_R, rhs.shape[0], dtype=lhs.dtype)  # rows past the groups: all 0
+    return jnp.einsum("rk,ekn,re->rn", lhs, rhs, onehot_RE, precision="highest")
+
+
+def permutation_matrix(dest, num_rows) -> jax.Array:
+    """P[r, a] = 1 if copy a lands on row r: permute = P @ copies, combine = P.T @ y."""
+    dest = jnp.asarray(dest).reshape(-1)
+    return jax.nn.one_hot(jnp.where((dest >= 0) & (dest < num_rows), dest, -1), num_rows).T
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@st.composite
+def group_sizes_st(draw, num_rows=R, num_groups=E):
+    """Any split of at most num_rows rows into num_groups groups (empty ones included)."""
+    total = draw(st.integers(0, num_rows))
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=num_groups - 1, max_size=num_groups - 1)))
+    return np.diff([0, *cuts, total]).tolist()
+
+
+def randn(seed: int, shape, dtype=jnp.float32) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+@st.composite
+def routing_st(draw):
+    """Destinations of T*TOP_K copies in a buffer of num_rows rows, some dropped (out of range)."""
+    num_rows = draw(st.sampled_from([T * TOP_K + 5, T * TOP_K - 7]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    dest = rng.permutation(max(num_rows, T * TOP_K))[: T * TOP_K]
+    drop = rng.random(T * TOP_K) < draw(st.sampled_from([0.0, 0.3]))
+    dest = np.where(drop, rng.choice([-1, num_rows, num_rows + 3]), dest)  # invalid -> dropped
+    return num_rows, dest.astype(np.int32), seed
+
+
+# ---------------------------------------------------------------- jitted ops (compiled once per backend)
+
+
+@functools.cache
+def gmm_fn(impl, out_dtype=None):
+    return jax.jit(
+        lambda x, w, gs: gmm(x, w, gs, implementation=impl, tile=TILE, preferred_element_type=out_dtype)
+    )
+
+
+@functools.cache
+def tgmm_fn(impl):
+    return jax.jit(lambda x, g, gs: tgmm(x, g, gs, implementation=impl, tile=TILE))
+
+
+@functools.cache
+def gmm_grad_fn(impl):
+    def loss(x, w, gs, cot):
+        return jnp.sum(gmm(x, w, gs, implementation=impl, tile=TILE) * cot)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@functools.cache
+def gmm_ref_grad_fn():
+    return jax.jit(jax.grad(lambda x, w, gs, cot: jnp.sum(gmm_jnp(x, w, gs) * cot), argnums=(0, 1)))
+
+
+@functools.cache
+def permute_fn(impl, num_rows, weighted):
+    if weighted:
+        return jax.jit(lambda x, d, w: permute(x, d, num_rows, w, implementation=impl))
+    return jax.jit(lambda x, d: permute(x, d, num_rows, implementation=impl))
+
+
+@functools.cache
+def combine_fn(impl):
+    return jax.jit(lambda y, d, w: combine(y, d, w, implementation=impl))
+
+
+# ---------------------------------------------------------------- gmm / tgmm
+
+EXAMPLES = [[R, 0, 0, 0], [0, 0, 0, R], [0, 17, 0, 0], [5, 0, 31, 20], [3, 9, 0, 11], [0, 0, 0, 0]]
+
+
+def with_examples(fn):
+    for gs in EXAMPLES:
+        fn = example(group_sizes=gs, seed=len(gs) + sum(gs))(fn)
+    return fn
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@SETTINGS
+@with_examples
+@given(group_sizes=group_sizes_st(), seed=st.integers(0, 2**16))
+def test_gmm_matches_numpy(impl, dtype, group_sizes, seed):
+    lhs, rhs = randn(seed, (R, K), dtype), randn(seed + 1, (E, K, N), dtype)
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    out = gmm_fn(impl)(lhs, rhs, gs)
+    assert out.shape == (R, N) and out.dtype == dtype
+    want = gmm_ref(lhs, rhs, group_sizes)
+    assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    assert np.all(f64(out)[sum(group_sizes) :] == 0), "rows past sum(group_sizes) must be zero"
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@SETTINGS
+@with_examples
+@given(group_sizes=group_sizes_st(), seed=st.integers(0, 2**16))
+def test_tgmm_matches_numpy(impl, dtype, group_sizes, seed):
+    lhs, grad = randn(seed, (R, K), dtype), randn(seed + 1, (R, N), dtype)
+    out = tgmm_fn(impl)(lhs, grad, jnp.asarray(group_sizes, jnp.int32))
+    assert out.shape == (E, K, N) and out.dtype == dtype
+    want = tgmm_ref(lhs, grad, group_sizes)
+    if not np.any(want):
+        assert not np.any(f64(out))
+    else:
+        assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@SETTINGS
+@with_examples
+@given(group_sizes=group_sizes_st(), seed=st.integers(0, 2**16))
+def test_gmm_gradients_match_jax_grad_of_reference(impl, group_sizes, seed):
+    lhs, rhs, cot = randn(seed, (R, K)), randn(seed + 1, (E, K, N)), randn(seed + 2, (R, N))
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    dlhs, drhs = gmm_grad_fn(impl)(lhs, rhs, gs, cot)
+    want_dlhs, want_drhs = gmm_ref_grad_fn()(lhs, rhs, gs, cot)
+    assert dlhs.shape == (R, K) and drhs.shape == (E, K, N)
+    assert rel_err(dlhs, want_dlhs) < 1e-5 or not np.any(want_dlhs)
+    assert rel_err(drhs, want_drhs) < 1e-5 or not np.any(want_drhs)
+    assert np.all(f64(dlhs)[sum(group_sizes) :] == 0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_gmm_transpose_rhs_and_its_gradients(impl):
+    gs, sizes = jnp.asarray([0, 21, 18, 9], jnp.int32), [0, 21, 18, 9]
+    lhs, rhs_ENK, cot = randn(11, (R, K)), randn(12, (E, N, K)), randn(13, (R, N))
+    rhs_EKN = jnp.swapaxes(rhs_ENK, 1, 2)
+    f = jax.jit(lambda x, w: gmm(x, w, gs, implementation=impl, tile=TILE, transpose_rhs=True))
+    assert rel_err(f(lhs, rhs_ENK), gmm_ref(lhs, rhs_EKN, sizes)) < 1e-5
+    got = jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1))(lhs, rhs_ENK)
+    want = jax.grad(lambda x, w: jnp.sum(gmm_jnp(x, jnp.swapaxes(w, 1, 2), gs) * cot), (0, 1))(lhs, rhs_ENK)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_tgmm_gradients_match_jax_grad_of_reference(impl):
+    gs = jnp.asarray([9, 0, 30, 10], jnp.int32)
+    lhs, grad, cot = randn(1, (R, K)), randn(2, (R, N)), randn(3, (E, K, N))
+
+    def ref(x, g):  # tgmm = per-group x.T @ g, through the one-hot mask
+        group_R = jnp.sum(jnp.arange(R)[:, None] >= jnp.cumsum(gs)[None, :], axis=1)
+        onehot_RE = jax.nn.one_hot(group_R, E)
+        return jnp.einsum("rk,rn,re->ekn", x, g, onehot_RE, precision="highest")
+
+    got = jax.grad(lambda x, g: jnp.sum(tgmm(x, g, gs, implementation=impl, tile=TILE) * cot), (0, 1))(
+        lhs, grad
+    )
+    want = jax.grad(lambda x, g: jnp.sum(ref(x, g) * cot), (0, 1))(lhs, grad)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_preferred_element_type_and_bf16_gradients(impl):
+    gs = jnp.asarray([20, 0, 13, 11], jnp.int32)
+    lhs, rhs = randn(4, (R, K), jnp.bfloat16), randn(5, (E, K, N), jnp.bfloat16)
+    out = gmm_fn(impl, jnp.float32)(lhs, rhs, gs)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, gmm_ref(lhs, rhs, [20, 0, 13, 11])) < 1e-5  # f32 accumulation, f32 output
+    dlhs, drhs = jax.grad(
+        lambda x, w: jnp.sum(gmm(x, w, gs, implementation=impl, tile=TILE).astype(jnp.float32)), (0, 1)
+    )(lhs, rhs)
+    assert dlhs.dtype == jnp.bfloat16 and drhs.dtype == jnp.bfloat16
+    want_dlhs, want_drhs = jax.grad(lambda x, w: jnp.sum(gmm_jnp(x, w, gs)), (0, 1))(
+        f64(lhs).astype(np.float32), f64(rhs).astype(np.float32)
+    )
+    assert rel_err(dlhs, want_dlhs) < 1e-2 and rel_err(drhs, want_drhs) < 1e-2
+
+
+# ---------------------------------------------------------------- permute / combine
+
+
+@pytest.mark.parametrize("impl", PERMUTE_BACKENDS)
+@SETTINGS
+@given(routing=routing_st(), weighted=st.booleans())
+def test_permute_and_combine_match_numpy(impl, routing, weighted):
+    num_rows, dest, seed = routing
+    x, y = randn(seed, (T, D)), randn(seed + 1, (num_rows, D))
+    w = jax.random.uniform(jax.random.key(seed + 2), (T, TOP_K), minval=0.1, maxval=1.0)
+    if weighted:
+        got = permute_fn(impl, num_rows, True)(x, dest, w)
+    else:
+        got = permute_fn(impl, num_rows, False)(x, dest)
+    assert got.shape == (num_rows, D)
+    assert rel_err(got, permute_ref(x, dest, num_rows, w if weighted else None)) < 1e-6
+    got = combine_fn(impl)(y, dest, w)
+    assert got.shape == (T, D)
+    assert rel_err(got, combine_ref(y, dest, w)) < 1e-6
+
+
+@functools.cache
+def permute_combine_grad_fns(impl, num_rows):
+    """jax.grad of permute and combine, and of their dense-permutation-matrix references."""
+
+    def ref_permute(x, dest, w):  # copies in (t, k) order, scaled, then placed by P
+        copies_AD = jnp.repeat(x, TOP_K, axis=0) * w.reshape(-1, 1)
+        return jnp.dot(permutation_matrix(dest, num_rows), copies_AD, precision="highest")
+
+    def ref_combine(y, dest, w):
+        rows_AD = jnp.dot(permutation_matrix(dest, num_rows).T, y, precision="highest")
+        return jnp.sum(rows_AD.reshape(T, TOP_K, D) * w[:, :, None], axis=1)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda a, w, dest, cot: jnp.sum(f(a, dest, w) * cot), argnums=(0, 1)))
+
+    return (
+        grads(lambda x, dest, w: permute(x, dest, num_rows, w, implementation=impl)),
+        grads(ref_permute),
+        grads(lambda y, dest, w: combine(y, dest, w, implementation=impl)),
+        grads(ref_combine),
+    )
+
+
+@pytest.mark.parametrize("impl", PERMUTE_BACKENDS)
+@SETTINGS
+@given(routing=routing_st())
+def test_permute_and_combine_gradients_match_jax_grad_of_reference(impl, routing):
+    num_rows, dest, seed = routing
+    x, y = randn(seed, (T, D)), randn(seed + 1, (num_rows, D))
+    w = jax.random.uniform(jax.random.key(seed + 2), (T, TOP_K), minval=0.1, maxval=1.0)
+    cot_R, cot_T = randn(seed + 3, (num_rows, D)), randn(seed + 4, (T, D))
+    permute_grad, permute_ref_grad, combine_grad, combine_ref_grad = permute_combine_grad_fns(impl, num_rows)
+    for got, want in (
+        (permute_grad(x, w, dest, cot_R), permute_ref_grad(x, w, dest, cot_R)),
+        (combine_grad(y, w, dest, cot_T), combine_ref_grad(y, w, dest, cot_T)),
+    ):
+        for a, b in zip(got, want, strict=True):
+            assert rel_err(a, b) < 1e-5 or not np.any(b)
+
+
+def test_permute_accepts_dest_as_TK_and_bf16():
+    dest = np.random.default_rng(0).permutation(T * TOP_K).astype(np.int32)
+    x = randn(7, (T, D), jnp.bfloat16)
+    flat = permute(x, dest, T * TOP_K, implementation="pallas")
+    shaped = permute(x, dest.reshape(T, TOP_K), T * TOP_K, implementation="pallas")
+    assert flat.dtype == jnp.bfloat16 and np.array_equal(f64(flat), f64(shaped))
+    assert np.array_equal(f64(flat), permute_ref(x, dest, T * TOP_K))  # a permutation is exact
+
+
+# ---------------------------------------------------------------- validation and dispatch
+
+
+def test_gmm_argument_errors_name_the_argument():
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="lhs must have rank 2"):
+        gmm(x[None], w, gs)
+    with pytest.raises(ValueError, match="rhs must have rank 3"):
+        gmm(x, w[0], gs)
+    with pytest.raises(TypeError, match="group_sizes must be int32"):
+        gmm(x, w, gs.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"rhs.shape\[1\] \(K\)"):
+        gmm(x, jnp.ones((2, 5, 3)), gs)
+    with pytest.raises(ValueError, match=r"group_sizes.shape\[0\] \(E\)"):
+        gmm(x, w, jnp.array([8], jnp.int32))
+    with pytest.raises(TypeError, match="lhs and rhs must share a dtype"):
+        gmm(x, w.astype(jnp.bfloat16), gs)
+    with pytest.raises(TypeError, match="lhs must be bfloat16, float16 or float32"):
+        gmm(x.astype(jnp.int32), w, gs)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        gmm(x, w, gs, implementation="cuda")
+    with pytest.raises(ValueError, match="powers of 2"):
+        gmm(x, w, gs, implementation="pallas", tile=(16, 24, 16))
+    with pytest.raises(ValueError, match=r"grad.shape\[0\] \(rows\)"):
+        tgmm(x, jnp.ones((7, 3)), gs)
+
+
+def test_permute_argument_errors_name_the_argument():
+    x, dest, w = jnp.ones((4, 8)), jnp.arange(8, dtype=jnp.int32), jnp.ones((4, 2))
+    with pytest.raises(TypeError, match="dest_A must be int32"):
+        permute(x, dest.astype(jnp.float32), 8)
+    with pytest.raises(ValueError, match="not a multiple of the 4 tokens"):
+        permute(x, dest[:7], 8)
+    with pytest.raises(ValueError, match="num_rows must be positive"):
+        permute(x, dest, 0)
+    with pytest.raises(ValueError, match="weights_TK has shape"):
+        combine(jnp.ones((8, 8)), dest, jnp.ones((4, 3)))
+    with pytest.raises(ValueError, match="y_RD must have rank 2"):
+        combine(jnp.ones((8,)), dest, w)
+
+
+@pytest.mark.skipif(
+    _available("mgpu") and _available("triton"), reason="every backend runs here: nothing falls back"
+)
+def test_unavailable_backend_falls_back_to_a_correct_one():
+    gs = jnp.asarray([30, 0, 6, 20], jnp.int32)
+    lhs, rhs = randn(8, (R, K)), randn(9, (E, K, N))
+    for impl in ("mgpu", "triton"):
+        if _available(impl):
+            continue
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            out = gmm(lhs, rhs, gs, implementation=impl, tile=TILE)
+        assert rel_err(out, gmm_ref(lhs, rhs, [30, 0, 6, 20])) < 1e-5
+
+
+def test_default_implementation_is_xla_on_cpu():
+    if dispatch.platform() == "cpu":
+        assert dispatch.default_implementation("gmm") == "xla"
+        assert dispatch.default_implementation("permute") == "xla"
+    assert dispatch.default_implementation("gmm") in dispatch.IMPLEMENTATIONS

@@ -1,0 +1,231 @@
+"""Grouped matrix multiplies, the MoE expert GEMMs: `gmm` (forward) and `tgmm` (weight gradient).
+
+Legend: R rows of the expert-sorted buffer, K contraction, N output columns, E experts.
+
+    out_RN   = gmm(lhs_RK, rhs_EKN, group_sizes_E)   # out[r] = lhs[r] @ rhs[group(r)]
+    grad_EKN = tgmm(lhs_RK, grad_RN, group_sizes_E)  # grad[e] = lhs[rows(e)].T @ grad[rows(e)]
+
+Rows are grouped contiguously: group e owns rows [sum(gs[:e]), sum(gs[:e+1])); rows past
+sum(gs) give zeros in gmm and are ignored by tgmm. Inputs are bf16/f16/f32 with one dtype,
+accumulation is float32, the output takes lhs's dtype unless `preferred_element_type`.
+
+Both are `jax.custom_vjp` functions whose backward passes are again grouped GEMMs, run by
+the same backend (autodiff does not pass through pallas_call or triton_call):
+    gmm:  d lhs = gmm(grad, rhs^T)            d rhs  = tgmm(lhs, grad)   (tgmm(grad, lhs) for rhs^T)
+    tgmm: d lhs = gmm(grad, cot^T)            d grad = gmm(lhs, cot)
+The cotangent is cast to the input dtype before the backward GEMMs (mixed-precision habit).
+`implementation` picks the backend (dispatch.py); every backend falls back to XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from xmoe_jax.pallas import dispatch, gmm_mgpu
+from xmoe_jax.pallas.gmm_pallas import gmm_pallas, tgmm_pallas
+from xmoe_jax.pallas.gmm_xla import gmm_xla, tgmm_xla
+from xmoe_jax.pallas.validation import check_gmm_args, check_tgmm_args, check_tile, out_dtype
+
+_MAX_I32 = 2**31 - 1
+
+
+def _pallas_reason(*arrays) -> str | None:
+    if any(a.size > _MAX_I32 for a in arrays):
+        return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
+    return None
+
+
+def _tile_for(impl: str, tile, op: str = "gmm") -> tuple[int, int, int]:
+    return check_tile(dispatch.default_tile(impl, op) if tile is None else tile, power_of_two=impl != "xla")
+
+
+def _gmm_impl(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs=False):
+    """Run one forward-style grouped GEMM on `impl` or its fallback."""
+    k_dim = lhs_RK.shape[1]
+    n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+
+    def shape_reason(name):
+        if name == "mgpu":
+            return gmm_mgpu.shape_reason("gmm", lhs_RK.dtype, k_dim, n_dim, _tile_for(name, tile))
+        if name == "pallas":
+            return _pallas_reason(lhs_RK, rhs_EKN, jax.ShapeDtypeStruct((lhs_RK.shape[0], n_dim), out_dt))
+        return None
+
+    impl = dispatch.resolve("gmm", impl, shape_reason)
+    if impl == "xla":
+        return gmm_xla(lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dt, transpose_rhs=transpose_rhs)
+    t = _tile_for(impl, tile)
+    if impl == "mgpu":
+        return gmm_mgpu.gmm_mgpu(
+            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dt, tile=t, transpose_rhs=transpose_rhs
+        )
+    num_warps, num_stages = dispatch.launch_params(impl, "gmm", t, lhs_RK.dtype.itemsize)
+    if impl == "triton":
+        from xmoe_jax.pallas.gmm_triton import gmm_triton
+
+        return gmm_triton(
+            lhs_RK,
+            rhs_EKN,
+            group_sizes_E,
+            out_dtype=out_dt,
+            tile=t,
+            transpose_rhs=transpose_rhs,
+            num_warps=num_warps or 8,
+            num_stages=num_stages or 3,
+        )
+    return gmm_pallas(
+        lhs_RK,
+        rhs_EKN,
+        group_sizes_E,
+        out_dtype=out_dt,
+        tile=t,
+        transpose_rhs=transpose_rhs,
+        interpret=dispatch.interpret(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile):
+    def shape_reason(name):
+        if name == "mgpu":
+            return gmm_mgpu.shape_reason(
+                "tgmm", lhs_RK.dtype, lhs_RK.shape[1], grad_RN.shape[1], _tile_for(name, tile, "tgmm")
+            )
+        if name == "pallas":
+            e, k, n = group_sizes_E.shape[0], lhs_RK.shape[1], grad_RN.shape[1]
+            return _pallas_reason(lhs_RK, grad_RN, jax.ShapeDtypeStruct((e, k, n), out_dt))
+        return None
+
+    impl = dispatch.resolve("tgmm", impl, shape_reason)
+    if impl == "xla":
+        return tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt)
+    t = _tile_for(impl, tile, "tgmm")
+    if impl == "mgpu":
+        return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt, tile=t)
+    num_warps, num_stages = dispatch.launch_params(impl, "tgmm", t, lhs_RK.dtype.itemsize)
+    if impl == "triton":
+        from xmoe_jax.pallas.gmm_triton import tgmm_triton
+
+        return tgmm_triton(
+            lhs_RK,
+            grad_RN,
+            group_sizes_E,
+            out_dtype=out_dt,
+            tile=t,
+            num_warps=num_warps or 8,
+            num_stages=num_stages or 3,
+        )
+    return tgmm_pallas(
+        lhs_RK,
+        grad_RN,
+        group_sizes_E,
+        out_dtype=out_dt,
+        tile=t,
+        interpret=dispatch.interpret(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs):
+    return _gmm_impl(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs)
+
+
+def _gmm_fwd(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs):
+    out_RN = _gmm_impl(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs)
+    return out_RN, (lhs_RK, rhs_EKN, group_sizes_E)
+
+
+def _gmm_bwd(impl, out_dt, tile, transpose_rhs, res, grad_RN):
+    lhs_RK, rhs_EKN, group_sizes_E = res
+    grad_RN = grad_RN.astype(lhs_RK.dtype)
+    dlhs_RK = _gmm_impl(grad_RN, rhs_EKN, group_sizes_E, impl, lhs_RK.dtype, tile, not transpose_rhs)
+    if transpose_rhs:  # rhs is [E, N, K]: its gradient is grad.T @ lhs per group
+        drhs = _tgmm_impl(grad_RN, lhs_RK, group_sizes_E, impl, rhs_EKN.dtype, tile)
+    else:
+        drhs = _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, rhs_EKN.dtype, tile)
+    return dlhs_RK, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tgmm(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile):
+    return _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile)
+
+
+def _tgmm_fwd(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile):
+    return _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile), (lhs_RK, grad_RN, group_sizes_E)
+
+
+def _tgmm_bwd(impl, out_dt, tile, res, cot_EKN):
+    # out[e] = lhs_e.T @ grad_e  =>  d lhs_e = grad_e @ cot[e].T,  d grad_e = lhs_e @ cot[e]
+    lhs_RK, grad_RN, group_sizes_E = res
+    cot_EKN = cot_EKN.astype(lhs_RK.dtype)
+    dlhs_RK = _gmm_impl(grad_RN, cot_EKN, group_sizes_E, impl, lhs_RK.dtype, tile, transpose_rhs=True)
+    dgrad_RN = _gmm_impl(lhs_RK, cot_EKN, group_sizes_E, impl, grad_RN.dtype, tile)
+    return dlhs_RK, dgrad_RN, None
+
+
+_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+
+def _normalize_tile(tile):
+    return None if tile is None else tuple(int(t) for t in tile)
+
+
+def gmm(
+    lhs_RK: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    *,
+    implementation: str | None = None,
+    preferred_element_type=None,
+    tile: tuple[int, int, int] | None = None,
+    transpose_rhs: bool = False,
+) -> jax.Array:
+    """Grouped matmul: out[r] = lhs[r] @ rhs[e] for the group e that owns row r; [R, N].
+
+    Args:
+      lhs_RK: [R, K] rows sorted by group.
+      rhs_EKN: [E, K, N] one weight matrix per group, same dtype as lhs.
+      group_sizes_E: [E] int32 rows per group; rows past their sum come out as zeros.
+      implementation: "xla", "pallas", "triton", "mgpu" or None (fastest measured for the
+        platform; see dispatch.py). Unavailable backends fall back, ending at "xla".
+      preferred_element_type: output dtype (default lhs.dtype); accumulation is float32.
+      tile: (block_m, block_k, block_n), powers of 2 for the kernel backends; None = tuned default.
+      transpose_rhs: rhs is [E, N, K] and out[r] = lhs[r] @ rhs[e].T (no transposed copy is made;
+        this is how gmm's own lhs gradient runs).
+
+    Differentiable in lhs and rhs (custom VJP: dlhs = gmm(grad, rhs^T), drhs = tgmm(lhs, grad)).
+    """
+    check_gmm_args(lhs_RK, rhs_EKN, group_sizes_E, transpose_rhs=transpose_rhs)
+    out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
+    dispatch.check_name(implementation)
+    tile = _normalize_tile(tile)
+    return _gmm(lhs_RK, rhs_EKN, group_sizes_E, implementation, out_dt, tile, bool(transpose_rhs))
+
+
+def tgmm(
+    lhs_RK: jax.Array,
+    grad_RN: jax.Array,
+    group_sizes_E: jax.Array,
+    *,
+    implementation: str | None = None,
+    preferred_element_type=None,
+    tile: tuple[int, int, int] | None = None,
+) -> jax.Array:
+    """Per-group lhs^T @ grad: out[e] = lhs[rows(e)].T @ grad[rows(e)]; [E, K, N].
+
+    The weight gradient of `gmm`. Empty groups give zeros; rows past sum(group_sizes) are
+    ignored. Arguments as in `gmm` (grad plays rhs's dtype role). Differentiable.
+    """
+    check_tgmm_args(lhs_RK, grad_RN, group_sizes_E)
+    out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
+    dispatch.check_name(implementation)
+    return _tgmm(lhs_RK, grad_RN, group_sizes_E, implementation, out_dt, _normalize_tile(tile))

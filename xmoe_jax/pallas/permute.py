@@ -1,0 +1,196 @@
+"""Token permutation for padding-free MoE buffers: `permute` into expert order, `combine` back.
+
+Legend: T tokens, D model, K top-k, A = T*K routed copies (copy a = t*K + k of token t),
+R rows of the expert-sorted buffer.
+
+    x_sorted_RD = permute(x_TD, dest_A, num_rows)            # row dest[a] <- x[a // K]
+    y_TD        = combine(y_sorted_RD, dest_A, weights_TK)   # y[t] = sum_k w[t,k] * y_sorted[dest[t,k]]
+
+`dest_A` (int32, [A] or [T, K]) gives each copy's row in the sorted buffer; a destination
+outside [0, R) drops the copy (capacity overflow), and valid destinations must be distinct.
+Buffer rows that receive no copy are zeros. `permute` can scale each copy by its routing
+weight (`weights_TK`), e.g. to apply the gate before the experts instead of after.
+
+Custom VJPs, each again a permute or combine (no scatter-adds, no atomics):
+    permute: d x = combine(dout, dest, weights or 1)     d weights[t,k] = dout[dest[t,k]] . x[t]
+    combine: d y = permute(dout, dest, R, weights)       d weights[t,k] = dout[t] . y[dest[t,k]]
+Backends: "xla" (oracle) and "pallas" (Triton lowering on GPU, interpret on CPU); "triton"
+and "mgpu" have no permute kernels of their own and use "pallas". Arithmetic in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from xmoe_jax.pallas import dispatch
+from xmoe_jax.pallas.permute_pallas import BLOCKS, combine_rows_pallas, gather_dot_pallas, scatter_rows_pallas
+from xmoe_jax.pallas.permute_xla import (
+    combine_rows_xla,
+    gather_dot_xla,
+    gather_rows_xla,
+    source_rows,
+)
+from xmoe_jax.pallas.validation import check_float, check_int32, check_rank
+
+_MAX_I32 = 2**31 - 1
+
+
+def _resolve(implementation: str | None, *arrays) -> str:
+    dispatch.check_name(implementation)
+    if implementation in ("triton", "mgpu"):
+        implementation = "pallas"
+
+    def shape_reason(name):
+        if name == "pallas" and any(a.size > _MAX_I32 for a in arrays):
+            return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
+        return None
+
+    return dispatch.resolve("permute", implementation, shape_reason)
+
+
+def _combine_rows(y_RD, dest_TK, weights_TK, impl):
+    if impl == "xla":
+        return combine_rows_xla(y_RD, dest_TK, weights_TK)
+    return combine_rows_pallas(
+        y_RD, dest_TK, weights_TK, interpret=dispatch.interpret(), **BLOCKS["combine_rows"]
+    )
+
+
+def _gather_dot(a_TD, b_RD, dest_TK, impl):
+    if impl == "xla":
+        return gather_dot_xla(a_TD, b_RD, dest_TK)
+    return gather_dot_pallas(a_TD, b_RD, dest_TK, interpret=dispatch.interpret(), **BLOCKS["gather_dot"])
+
+
+def _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl):
+    """out[dest[t,k]] = x[t] * w[t,k]; XLA gathers through the inverse map, Pallas scatters."""
+    if impl != "xla":
+        scale_TK = jnp.ones(dest_TK.shape, jnp.float32) if weights_TK is None else weights_TK
+        return scatter_rows_pallas(
+            x_TD, dest_TK, scale_TK, num_rows, interpret=dispatch.interpret(), **BLOCKS["scatter_rows"]
+        )
+    src_R = source_rows(dest_TK.reshape(-1), num_rows)
+    if weights_TK is None:
+        scale_R = (src_R >= 0).astype(jnp.float32)
+    else:
+        scale_R = jnp.where(
+            src_R >= 0, weights_TK.reshape(-1).astype(jnp.float32)[jnp.maximum(src_R, 0)], 0.0
+        )
+    return gather_rows_xla(x_TD, src_R, scale_R, dest_TK.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _permute(x_TD, dest_TK, weights_TK, num_rows, impl):
+    return _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl)
+
+
+def _permute_fwd(x_TD, dest_TK, weights_TK, num_rows, impl):
+    return _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl), (x_TD, dest_TK, weights_TK)
+
+
+def _permute_bwd(num_rows, impl, res, dout_RD):
+    x_TD, dest_TK, weights_TK = res
+    dx_TD = _combine_rows(dout_RD, dest_TK, weights_TK, impl).astype(x_TD.dtype)
+    dw_TK = None
+    if weights_TK is not None:
+        dw_TK = _gather_dot(x_TD, dout_RD, dest_TK, impl).astype(weights_TK.dtype)
+    return dx_TD, None, dw_TK
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(y_RD, dest_TK, weights_TK, impl):
+    return _combine_rows(y_RD, dest_TK, weights_TK, impl)
+
+
+def _combine_fwd(y_RD, dest_TK, weights_TK, impl):
+    return _combine_rows(y_RD, dest_TK, weights_TK, impl), (y_RD, dest_TK, weights_TK)
+
+
+def _combine_bwd(impl, res, dout_TD):
+    y_RD, dest_TK, weights_TK = res
+    dy_RD = _scatter_rows(dout_TD, dest_TK, weights_TK, y_RD.shape[0], impl).astype(y_RD.dtype)
+    dw_TK = _gather_dot(dout_TD, y_RD, dest_TK, impl).astype(weights_TK.dtype)
+    return dy_RD, None, dw_TK
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _dest_TK(dest, num_tokens: int, name: str = "dest_A") -> jax.Array:
+    check_int32(name, dest)
+    if dest.ndim not in (1, 2):
+        raise ValueError(f"{name} must have rank 1 ([T*K]) or 2 ([T, K]), got shape {tuple(dest.shape)}")
+    if dest.ndim == 2 and dest.shape[0] != num_tokens:
+        raise ValueError(
+            f"{name}.shape[0] is {dest.shape[0]} but must equal the number of tokens {num_tokens}"
+        )
+    if num_tokens == 0 or dest.size % num_tokens:
+        raise ValueError(f"{name} has {dest.size} copies, not a multiple of the {num_tokens} tokens")
+    return dest.reshape(num_tokens, dest.size // num_tokens)
+
+
+def _check_weights(weights_TK, dest_TK) -> None:
+    check_rank("weights_TK", weights_TK, 2, "[tokens, top_k]")
+    check_float("weights_TK", weights_TK)
+    if weights_TK.shape != dest_TK.shape:
+        raise ValueError(
+            f"weights_TK has shape {tuple(weights_TK.shape)} but dest gives [T, K] = {tuple(dest_TK.shape)}"
+        )
+
+
+def permute(
+    x_TD: jax.Array,
+    dest_A: jax.Array,
+    num_rows: int,
+    weights_TK: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Gather token rows into expert-sorted order: out[dest[t*K+k]] = x[t] (* weights[t,k]); [R, D].
+
+    Args:
+      x_TD: [T, D] tokens (bf16/f16/f32).
+      dest_A: int32 [T*K] (or [T, K]) destination row of each copy; outside [0, R) = dropped.
+      num_rows: R, rows of the sorted buffer (static).
+      weights_TK: optional [T, K] per-copy scale (differentiable).
+      implementation: "xla", "pallas" or None (platform default); see dispatch.py.
+    """
+    check_rank("x_TD", x_TD, 2, "[tokens, D]")
+    check_float("x_TD", x_TD)
+    num_rows = int(num_rows)
+    if num_rows <= 0:
+        raise ValueError(f"num_rows must be positive, got {num_rows}")
+    dest_TK = _dest_TK(dest_A, x_TD.shape[0])
+    if weights_TK is not None:
+        _check_weights(weights_TK, dest_TK)
+    impl = _resolve(implementation, x_TD, jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype))
+    return _permute(x_TD, dest_TK, weights_TK, num_rows, impl)
+
+
+def combine(
+    y_RD: jax.Array,
+    dest_A: jax.Array,
+    weights_TK: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Weighted sum of each token's K expert rows: out[t] = sum_k w[t,k] * y[dest[t*K+k]]; [T, D].
+
+    Dropped copies (destination outside [0, R)) contribute zero. Differentiable in y and
+    weights. Output dtype = y's; accumulation in float32.
+    """
+    check_rank("y_RD", y_RD, 2, "[rows, D]")
+    check_float("y_RD", y_RD)
+    check_rank("weights_TK", weights_TK, 2, "[tokens, top_k]")
+    dest_TK = _dest_TK(dest_A, weights_TK.shape[0])
+    _check_weights(weights_TK, dest_TK)
+    impl = _resolve(
+        implementation, y_RD, jax.ShapeDtypeStruct((weights_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
+    )
+    return _combine(y_RD, dest_TK, weights_TK, impl)
