@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.pallas import gmm
+
 
 def _act(h_gate, h_up, activation: str):
     if activation == "swiglu":
@@ -47,13 +49,12 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
 def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str) -> jax.Array:
     """Experts over a flat expert-major buffer: rows of group e go through expert e.
 
-    Rows past sum(group_sizes_E) give zero. Grouped GEMMs via `jax.lax.ragged_dot`
-    (the kernels in xmoe_jax.pallas replace it on GPU).
+    Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.pallas.gmm`
+    (the Pallas kernel on GPU, `ragged_dot` on CPU), whose backward passes are grouped
+    GEMMs too.
     """
     dtype = x_RD.dtype
     gs_E = group_sizes_E.astype(jnp.int32)
-    h_up = jax.lax.ragged_dot(x_RD, experts["w_up"].astype(dtype), gs_E)
-    h_gate = None
-    if activation == "swiglu":
-        h_gate = jax.lax.ragged_dot(x_RD, experts["w_gate"].astype(dtype), gs_E)
-    return jax.lax.ragged_dot(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E)
+    h_up = gmm(x_RD, experts["w_up"].astype(dtype), gs_E)
+    h_gate = gmm(x_RD, experts["w_gate"].astype(dtype), gs_E) if activation == "swiglu" else None
+    return gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E)

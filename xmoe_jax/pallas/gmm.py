@@ -27,6 +27,7 @@ from xmoe_jax.pallas import dispatch, gmm_mgpu
 from xmoe_jax.pallas.gmm_pallas import gmm_pallas, tgmm_pallas
 from xmoe_jax.pallas.gmm_xla import gmm_xla, tgmm_xla
 from xmoe_jax.pallas.validation import check_gmm_args, check_tgmm_args, check_tile, out_dtype
+from xmoe_jax.pallas.vma import match_vma
 
 _MAX_I32 = 2**31 - 1
 
@@ -208,6 +209,7 @@ def gmm(
     out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
     dispatch.check_name(implementation)
     tile = _normalize_tile(tile)
+    lhs_RK, rhs_EKN = match_vma(lhs_RK, rhs_EKN)
     return _gmm(lhs_RK, rhs_EKN, group_sizes_E, implementation, out_dt, tile, bool(transpose_rhs))
 
 
@@ -228,4 +230,5 @@ def tgmm(
     check_tgmm_args(lhs_RK, grad_RN, group_sizes_E)
     out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
     dispatch.check_name(implementation)
+    lhs_RK, grad_RN = match_vma(lhs_RK, grad_RN)
     return _tgmm(lhs_RK, grad_RN, group_sizes_E, implementation, out_dt, _normalize_tile(tile))

@@ -34,6 +34,7 @@ from xmoe_jax.pallas.permute_xla import (
     source_rows,
 )
 from xmoe_jax.pallas.validation import check_float, check_int32, check_rank
+from xmoe_jax.pallas.vma import match_vma
 
 _MAX_I32 = 2**31 - 1
 
@@ -170,6 +171,7 @@ def permute(
     if weights_TK is not None:
         _check_weights(weights_TK, dest_TK)
     impl = _resolve(implementation, x_TD, jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype))
+    x_TD, weights_TK = match_vma(x_TD, weights_TK)
     return _permute(x_TD, dest_TK, weights_TK, num_rows, impl)
 
 
@@ -193,4 +195,5 @@ def combine(
     impl = _resolve(
         implementation, y_RD, jax.ShapeDtypeStruct((weights_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
     )
+    y_RD, weights_TK = match_vma(y_RD, weights_TK)
     return _combine(y_RD, dest_TK, weights_TK, impl)
