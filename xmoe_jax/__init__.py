@@ -7,6 +7,9 @@ Start with `xmoe_jax.moe.moe_layer` (the functional MoE core), `xmoe_jax.config`
 
 from xmoe_jax.config import Config, ModelConfig, MoEConfig, load_config
 from xmoe_jax.params import ParamCount, count_params, paper_units
+from xmoe_jax.xla_flags import apply_defaults as _apply_xla_defaults
+
+_apply_xla_defaults()  # importing jax does not start a backend; flags set now still apply
 
 __all__ = ["Config", "MoEConfig", "ModelConfig", "ParamCount", "count_params", "load_config", "paper_units"]
 __version__ = "0.1.0"
