@@ -65,6 +65,18 @@ class MoEConfig:
     # pft: receive buffer rows = recv_buffer_factor * (tokens per shard) * top_k; None = worst case
     recv_buffer_factor: float | None = None
     transport: str = "auto"  # pft exchange: ragged_all_to_all on GPU, exact emulation elsewhere
+    # Tensor parallelism inside the MoE block (no effect when mesh.tensor == 1; see moe/layer.py):
+    # ssmb: each tensor rank routes, dispatches, computes and combines 1/TP of the block's tokens
+    # (sequence-sharded MoE block); off, every tensor rank repeats the block on the same tokens.
+    # A flag, off by default because it changes pft's capacity shards (drops are decided per
+    # data x expert x tensor shard) and the per-device statistics; turn it on whenever tensor > 1.
+    ssmb: bool = False
+    # expert-tensor parallelism: each expert's hidden F split over the tensor axis, tokens
+    # replicated over it, partial outputs summed (the alternative to SSMB, for comparison)
+    expert_tensor_parallel: bool = False
+    # pft only: run the padding-free algorithm on the whole batch under jit with logical sharding
+    # annotations only (no shard_map), leaving placement to XLA's partitioner
+    auto_shard: bool = False
 
     def __post_init__(self) -> None:
         p = "moe."
@@ -113,6 +125,16 @@ class MoEConfig:
                 self.recv_buffer_factor > 0,
                 f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
             )
+        _check(
+            not (self.ssmb and self.expert_tensor_parallel),
+            f"{p}ssmb and {p}expert_tensor_parallel are alternatives (SSMB splits the tokens over the "
+            "tensor axis, expert-TP splits each expert's hidden over it); set one of them to false",
+        )
+        _check(
+            not self.auto_shard or self.dispatch == "pft",
+            f"{p}auto_shard applies to dispatch='pft' ({self.dispatch!r} is always placed by XLA's "
+            "partitioner); set moe.auto_shard=false",
+        )
 
     @property
     def shared_hidden(self) -> int:
@@ -153,6 +175,9 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
+    # tensor parallelism: also split the residual stream's sequence over the tensor axis between
+    # blocks (norms, residual adds); attention and MLPs all-gather it and reduce-scatter back
+    sequence_parallel: bool = False
     moe: MoEConfig | None = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -331,6 +356,12 @@ class Config:
                 f"moe.num_experts={moe.num_experts} is not divisible by mesh.expert={self.mesh.expert}; "
                 "choose an expert axis that divides the expert count",
             )
+            if moe.expert_tensor_parallel:
+                _check(
+                    moe.expert_hidden % self.mesh.tensor == 0,
+                    f"moe.expert_hidden={moe.expert_hidden} is not divisible by mesh.tensor={self.mesh.tensor}; "
+                    "expert-tensor parallelism splits it over the tensor axis",
+                )
 
     def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> dict[str, int]:
         """Checks that need the runtime: mesh size and batch divisibility."""
@@ -341,6 +372,20 @@ class Config:
             f"train.batch_size={self.train.batch_size} is not divisible by data*expert={shards} "
             "batch shards; use a multiple",
         )
+        moe, tensor = self.model.moe, axes["tensor"]
+        if self.model.sequence_parallel:
+            _check(
+                self.train.seq_len % tensor == 0,
+                f"train.seq_len={self.train.seq_len} is not divisible by mesh.tensor={tensor}; "
+                "sequence parallelism splits each sequence over the tensor axis",
+            )
+        if moe is not None and moe.ssmb:
+            local_tokens = self.train.batch_size // shards * self.train.seq_len
+            _check(
+                local_tokens % tensor == 0,
+                f"moe.ssmb: the {local_tokens} tokens per data*expert shard are not divisible by "
+                f"mesh.tensor={tensor}; choose train.seq_len or train.batch_size so they are",
+            )
         _check(
             self.train.batch_size % num_processes == 0,
             f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",

@@ -3,17 +3,23 @@
 Model code names tensor dimensions logically ("embed", "experts", "tokens", ...);
 this module builds the mesh and maps logical names to mesh axes through two rule
 tables: PARAM_RULES for parameters (and optimizer state, which follows them) and
-ACTIVATION_RULES for activations. Nothing else in the package spells a mesh axis.
+ACTIVATION_RULES for activations. Nothing else in the package spells a mesh axis:
+code that needs one (the MoE `shard_map`) asks the helpers below.
 
-What is sharded where (dense / padded modes, XLA partitioner):
+What is sharded where (`-` = replicated; TP = tensor parallelism):
 
-| tensor                  | data        | expert      | tensor |
-|-------------------------|-------------|-------------|--------|
-| tokens / batch          | split       | split       | -      |
-| expert weights [E,...]  | (fsdp: D)   | E split     | -      |
-| attention heads, MLP F  | (fsdp: D)   | -           | split  |
-| vocab (embed, lm head)  | (fsdp: D)   | -           | split  |
-| expert buffers [E,C,D]  | -           | E split     | -      |
+| tensor                          | data      | expert   | tensor                     |
+|---------------------------------|-----------|----------|----------------------------|
+| tokens / batch                  | split     | split    | -                          |
+| residual stream [B,S,D]         | split     | split    | S split (sequence_parallel)|
+| attention heads, MLP F (TP)     | (fsdp: D) | -        | split (column / row)       |
+| vocab (embed, lm head)          | (fsdp: D) | -        | split                      |
+| MoE block tokens                | split     | split    | split (moe.ssmb)           |
+| expert weights [E,D,F]          | (fsdp: D) | E split  | F split (expert_tensor_parallel) |
+| expert buffers [E,C,D] (padded) | -         | E split  | -                          |
+
+Variants are chosen by config, not by editing tables: `param_rules(fsdp,
+expert_tensor_parallel)` and `activation_rules(sequence_parallel, ssmb)`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xmoe_jax.config import MeshConfig
 
 MESH_AXES = ("data", "expert", "tensor")
+EXPERT_AXIS = "expert"  # the expert-parallel exchange runs over it
+TENSOR_AXIS = "tensor"  # tensor parallelism; SSMB splits MoE tokens over it
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
 PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -46,9 +54,13 @@ FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data"}
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "expert"),
     "tokens": ("data", "expert"),
+    "moe_tokens": ("data", "expert"),  # tokens inside the MoE block (+ tensor under SSMB)
     "seq": None,
+    "residual_seq": None,  # sequence dim of the residual stream (tensor under sequence parallelism)
     "embed": None,
     "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
     "mlp": "tensor",
     "vocab": "tensor",
     "experts": "expert",
@@ -92,8 +104,35 @@ def _fits(mesh: Mesh, shape: Sequence[int], spec: PartitionSpec) -> PartitionSpe
     return PartitionSpec(*out)
 
 
-def param_rules(fsdp: bool = False) -> dict:
-    return FSDP_PARAM_RULES if fsdp else PARAM_RULES
+def param_rules(fsdp: bool = False, expert_tensor_parallel: bool = False) -> dict:
+    """Parameter rules; expert-tensor parallelism splits each expert's hidden F over `tensor`."""
+    rules = FSDP_PARAM_RULES if fsdp else PARAM_RULES
+    return {**rules, "expert_mlp": "tensor"} if expert_tensor_parallel else rules
+
+
+def activation_rules(sequence_parallel: bool = False, ssmb: bool = False) -> dict:
+    """Activation rules; SP splits the residual's sequence, SSMB the MoE block's tokens over `tensor`."""
+    rules = dict(ACTIVATION_RULES)
+    if sequence_parallel:
+        rules["residual_seq"] = "tensor"
+    if ssmb:
+        rules["moe_tokens"] = moe_token_axes(ssmb=True)
+    return rules
+
+
+def moe_token_axes(ssmb: bool) -> tuple[str, ...]:
+    """Mesh axes the MoE block's tokens are split over (major to minor): data x expert, plus tensor
+    under SSMB. Every dispatch path (pft, rbd) takes its shard_map token spec from here, so the
+    flat token dim of [B*S, D] sharded (data, expert) over B and tensor over S is this layout."""
+    return ("data", "expert", "tensor") if ssmb else ("data", "expert")
+
+
+def axis_size(mesh: Mesh | None, axes: str | Sequence[str]) -> int:
+    """Number of devices along `axes` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in axes_t]))
 
 
 def named_sharding(

@@ -67,8 +67,9 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 
 
 def shardings(spec: ModelSpec, mesh: Mesh, fsdp: bool = False) -> tuple[Any, Any]:
-    """NamedShardings of (params, bias) under the parameter rules."""
-    rules = sharding.param_rules(fsdp)
+    """NamedShardings of (params, bias) under the parameter rules (expert-TP from the MoE config)."""
+    etp = spec.cfg.moe is not None and spec.cfg.moe.expert_tensor_parallel
+    rules = sharding.param_rules(fsdp, expert_tensor_parallel=etp)
     return (
         sharding.tree_shardings(mesh, spec.params_shape, spec.params_logical, rules),
         sharding.tree_shardings(mesh, spec.bias_shape, spec.bias_logical, rules),

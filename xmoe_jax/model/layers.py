@@ -4,6 +4,13 @@ Shapes: B batch, S sequence, D model, H query heads, G kv heads, K head dim,
 F MLP hidden, V vocab. Parameters are float32 masters (`param_dtype`) and are cast
 to the compute dtype at use. Every parameter carries its logical axis names in the
 `logical` metadata; xmoe_jax.sharding maps them to mesh axes.
+
+Tensor parallelism (Megatron style): `constrain` (logical names -> mesh, from the
+caller) pins q/k/v and the MLP hidden to heads / F split over the tensor axis: the
+input projections are column-parallel, the output projections row-parallel, and
+their partial sums are reduced by the partitioner into the layout the caller asks
+for (all-reduce; reduce-scatter over the sequence under sequence parallelism).
+Inside attention and MLPs the sequence is whole.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xmoe_jax.config import ModelConfig
-from xmoe_jax.moe.experts import dense_mlp
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float, dtype) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), logical=logical)
+
+
+def no_constraint(x: jax.Array, names) -> jax.Array:
+    del names
+    return x
 
 
 def dtypes(cfg: ModelConfig):
@@ -61,13 +72,15 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
         self.theta = cfg.rope_theta
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
         dt = x_BSD.dtype
         positions_S = jnp.arange(x_BSD.shape[1])
-        q_BSHK = rope(jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq[...].astype(dt)), positions_S, self.theta)
-        k_BSGK = rope(jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk[...].astype(dt)), positions_S, self.theta)
-        v_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv[...].astype(dt))
-        o_BSHK = jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=True)
+        q_names, kv_names = ("batch", None, "heads", "head_dim"), ("batch", None, "kv_heads", "head_dim")
+        q_BSHK = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq[...].astype(dt)), q_names)
+        k_BSGK = constrain(jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk[...].astype(dt)), kv_names)
+        v_BSGK = constrain(jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv[...].astype(dt)), kv_names)
+        q_BSHK, k_BSGK = rope(q_BSHK, positions_S, self.theta), rope(k_BSGK, positions_S, self.theta)
+        o_BSHK = constrain(jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=True), q_names)
         return jnp.einsum("bshk,hkd->bsd", o_BSHK, self.wo[...].astype(dt))
 
 
@@ -87,5 +100,13 @@ class MLP(nnx.Module):
         names = ("w_gate", "w_up", "w_down") if self.activation == "swiglu" else ("w_up", "w_down")
         return {n: getattr(self, n)[...] for n in names}
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        return dense_mlp(x_BSD, self.weights(), self.activation)
+    def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
+        """SwiGLU down(silu(x @ gate) * (x @ up)) or GELU down(gelu(x @ up)); F column/row split."""
+        dt, w = x_BSD.dtype, self.weights()
+
+        def hidden(name):
+            return constrain(x_BSD @ w[name].astype(dt), ("batch", None, "mlp"))
+
+        h_BSF = hidden("w_up")
+        h_BSF = jax.nn.silu(hidden("w_gate")) * h_BSF if self.activation == "swiglu" else jax.nn.gelu(h_BSF)
+        return h_BSF @ w["w_down"].astype(dt)

@@ -1,6 +1,6 @@
 """The functional MoE layer: route, dispatch, run experts, combine.
 
-Shapes: T tokens, D model, E experts, K top-k, F expert hidden.
+Shapes: T tokens, D model, E experts, K top-k, F expert hidden, TP tensor ranks.
 
     y_TD, aux = moe_layer(params, x_TD, cfg)             # no mesh
     y_TD, aux = moe_layer(params, x_TD, cfg, mesh=mesh)  # placed on a mesh
@@ -10,14 +10,30 @@ Steps:
   2. capacity: with `capacity_factor`, each expert keeps at most
      C = ceil(cf * T * k / E) copies, chosen by `drop_policy` (capacity.py);
   3. dispatch by `cfg.dispatch`, experts, combine;
-  4. plus the shared experts, if any.
+  4. plus the shared experts, if any (on the block's input as given: under tensor
+     parallelism they are an ordinary column/row-split MLP).
+
+Placement (what is sharded where; the mesh axes come from xmoe_jax.sharding):
+
+| mode                       | tokens (routing, dispatch, combine) | expert weights [E,D,F] | how           |
+|----------------------------|-------------------------------------|------------------------|---------------|
+| dense, padded              | data x expert                       | E over expert          | partitioner   |
+| pft                        | data x expert (per-device shard_map)| E over expert          | shard_map     |
+| pft + ssmb                 | data x expert x tensor              | E over expert          | shard_map     |
+| pft + expert_tensor_parallel | data x expert, same on every TP rank | E over expert, F over tensor; partial outputs psum'd over tensor | shard_map |
+| pft + auto_shard           | data x expert (annotation only)     | E over expert          | partitioner   |
+| dense, padded + ssmb       | data x expert x tensor (annotation) | E over expert          | partitioner   |
 
 `dense` and `padded` see the whole batch (T = all tokens) and leave placement to
-XLA's partitioner under the logical rules of xmoe_jax.sharding. `pft` runs steps
-1-3 per device inside one `shard_map` over the token axes (data x expert), with
-the experts split over the expert axis: its capacity is per source shard (T = that
-shard's tokens), as in X-MoE. Dropless, every mode returns the same values with or
-without a mesh; dropping, `pft` equals the dense oracle given the same keep mask.
+XLA's partitioner under the logical rules. `pft` runs steps 1-3 per device inside
+one `shard_map` over the MoE token axes, with the experts split over the expert
+axis: its capacity is per source shard (T = that shard's tokens), as in X-MoE.
+The exchange always runs over the expert axis, so with SSMB every (data, tensor)
+coordinate is its own expert-parallel group, and the block's output comes back
+split over tensor too (the caller all-gathers it, or keeps it sequence-sharded).
+Aux statistics are reduced over every token axis, so they are those of the whole
+batch. Dropless, every mode returns the same values with or without a mesh;
+dropping, `pft` equals the dense oracle given the same keep mask.
 """
 
 from __future__ import annotations
@@ -41,13 +57,42 @@ EXPERT_AXES = {
     "w_up": ("experts", "embed", "expert_mlp"),
     "w_down": ("experts", "expert_mlp", "embed"),
 }
-TOKEN_AXES = ("data", "expert")  # the mesh axes tokens are split over inside shard_map
+TOKEN_AXES = sharding.moe_token_axes(ssmb=False)  # pft without SSMB (kept for benchmarks)
 
 
-def _place_experts(experts: dict, mesh: Mesh | None) -> dict:
+def token_axes(cfg: MoEConfig) -> tuple[str, ...]:
+    """Mesh axes a shard_map dispatch (pft, rbd) splits the block's tokens over."""
+    return sharding.moe_token_axes(cfg.ssmb)
+
+
+def expert_specs(experts: dict, cfg: MoEConfig) -> dict:
+    """shard_map specs of the expert weights: E over expert; F over tensor with expert-TP."""
+    rules = sharding.param_rules(expert_tensor_parallel=cfg.expert_tensor_parallel)
+    return {k: sharding.logical_to_spec(EXPERT_AXES[k], rules) for k in experts}
+
+
+def _place_experts(experts: dict, cfg: MoEConfig, mesh: Mesh | None) -> dict:
     if mesh is None:
         return experts
-    return {k: sharding.constrain(v, mesh, EXPERT_AXES[k], sharding.PARAM_RULES) for k, v in experts.items()}
+    rules = sharding.param_rules(expert_tensor_parallel=cfg.expert_tensor_parallel)
+    return {k: sharding.constrain(v, mesh, EXPERT_AXES[k], rules) for k, v in experts.items()}
+
+
+def _check_divisible(x_TD, cfg: MoEConfig, mesh: Mesh | None) -> None:
+    """shard_map needs whole token shards (the partitioner paths replicate what does not divide)."""
+    shards = sharding.axis_size(mesh, token_axes(cfg))
+    if cfg.dispatch == "pft" and not cfg.auto_shard and x_TD.shape[0] % shards:
+        raise ValueError(
+            f"moe_layer: {x_TD.shape[0]} tokens are not divisible by the {shards} token shards "
+            f"(mesh axes {token_axes(cfg)}{' with moe.ssmb' if cfg.ssmb else ''}); "
+            "choose a batch and sequence length whose product they divide"
+        )
+    tp = sharding.axis_size(mesh, sharding.TENSOR_AXIS)
+    if cfg.expert_tensor_parallel and cfg.expert_hidden % tp:
+        raise ValueError(
+            f"moe.expert_tensor_parallel: expert_hidden={cfg.expert_hidden} is not divisible by the "
+            f"{tp} tensor ranks"
+        )
 
 
 def _route_and_keep(x_TD, router_params, cfg: MoEConfig):
@@ -61,6 +106,20 @@ def _route_and_keep(x_TD, router_params, cfg: MoEConfig):
     return routing, keep_TK, pos_TK, gate_TK, capacity
 
 
+def _balance_loss(routing: router.Routing, cfg: MoEConfig, seq_len, axis_names) -> jax.Array:
+    scores_TE, idx_TK = routing.scores_TE, routing.topk_idx_TK
+    if cfg.aux_loss_type == "sequence" and sharding.TENSOR_AXIS in axis_names:
+        # SSMB may cut a sequence across tensor ranks (they hold consecutive pieces of each
+        # data x expert shard): gather the small [T, E] statistics to whole sequences first
+        # (the pmean over tensor averages equal values: it only marks the loss tensor-invariant)
+        scores_TE = jax.lax.all_gather(scores_TE, sharding.TENSOR_AXIS, tiled=True)
+        idx_TK = jax.lax.all_gather(idx_TK, sharding.TENSOR_AXIS, tiled=True)
+        rest = tuple(a for a in axis_names if a != sharding.TENSOR_AXIS)
+        loss = router.load_balance_loss(scores_TE, idx_TK, cfg, seq_len, rest)
+        return jax.lax.pmean(loss, sharding.TENSOR_AXIS)
+    return router.load_balance_loss(scores_TE, idx_TK, cfg, seq_len, axis_names)
+
+
 def _aux(routing: router.Routing, keep_TK, cfg: MoEConfig, seq_len, axis_names=()) -> dict:
     psum = (lambda v: jax.lax.psum(v, axis_names)) if axis_names else (lambda v: v)
     tokens_per_expert_E = psum(router.tokens_per_expert(routing.topk_idx_TK, cfg.num_experts))
@@ -70,17 +129,18 @@ def _aux(routing: router.Routing, keep_TK, cfg: MoEConfig, seq_len, axis_names=(
         "tokens_per_expert": tokens_per_expert_E,
         "num_dropped": num_dropped,
         "drop_rate": num_dropped / num_copies,
-        "aux_loss": router.load_balance_loss(
-            routing.scores_TE, routing.topk_idx_TK, cfg, seq_len, axis_names
-        ),
+        "aux_loss": _balance_loss(routing, cfg, seq_len, axis_names),
         "z_loss": router.z_loss(routing.logits_TE, axis_names),
     }
 
 
 def _global_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
-    """dense / padded: the whole batch at once, placed by the partitioner."""
-    constrain = sharding.constrainer(mesh)
-    experts = _place_experts(params["experts"], mesh)
+    """dense / padded / pft + auto_shard: the whole batch at once, placed by the partitioner."""
+    constrain = sharding.constrainer(mesh, sharding.activation_rules(ssmb=cfg.ssmb))
+    experts = _place_experts(params["experts"], cfg, mesh)
+    if cfg.dispatch == "pft":  # the padding-free algorithm as one device would run it
+        body = _pft_body(cfg, seq_len, None, 1, (), resolve_transport(cfg.transport))
+        return body(params["router"], experts, x_TD)
     routing, keep_TK, pos_TK, gate_TK, capacity = _route_and_keep(x_TD, params["router"], cfg)
     if cfg.dispatch == "dense":
         y_TD = dense_dispatch(x_TD, routing.topk_idx_TK, gate_TK, experts, cfg.activation, constrain)
@@ -93,7 +153,9 @@ def _global_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     return y_TD, _aux(routing, keep_TK, cfg, seq_len)
 
 
-def _pft_body(cfg: MoEConfig, seq_len, axis_name, num_peers, axis_names, transport):
+def _pft_body(cfg: MoEConfig, seq_len, axis_name, num_peers, axis_names, transport, partial_axis=None):
+    """Per-device pft layer; `partial_axis`: the experts are F-split over it (expert-TP), sum y."""
+
     def body(router_params, experts, x_TD):
         routing, keep_TK, pos_TK, gate_TK, _ = _route_and_keep(x_TD, router_params, cfg)
         y_TD, stats = pft_dispatch(
@@ -108,6 +170,8 @@ def _pft_body(cfg: MoEConfig, seq_len, axis_name, num_peers, axis_names, transpo
             num_peers=num_peers,
             transport=transport,
         )
+        if partial_axis is not None:
+            y_TD = jax.lax.psum(y_TD, partial_axis)
         aux = _aux(routing, keep_TK, cfg, seq_len, axis_names)
         # per-device loads as [devices] vectors; totals reduced
         aux["recv_rows"] = stats["recv_rows"][None] if axis_names else stats["recv_rows"]
@@ -119,28 +183,32 @@ def _pft_body(cfg: MoEConfig, seq_len, axis_name, num_peers, axis_names, transpo
     return body
 
 
+def aux_specs(axes: tuple[str, ...]) -> dict:
+    """shard_map out_specs of the aux dict: totals replicated, per-device loads over `axes`."""
+    per_device = PartitionSpec(axes)
+    totals = ("tokens_per_expert", "num_dropped", "drop_rate", "aux_loss", "z_loss", "num_overflow")
+    return {**{k: PartitionSpec() for k in totals}, "recv_rows": per_device, "wire_bytes": per_device}
+
+
 def _pft_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     transport = resolve_transport(cfg.transport)
     if mesh is None:
         body = _pft_body(cfg, seq_len, None, 1, (), transport)
         return body(params["router"], params["experts"], x_TD)
-    body = _pft_body(cfg, seq_len, "expert", mesh.shape["expert"], TOKEN_AXES, transport)
-    tokens = PartitionSpec(TOKEN_AXES)
-    expert_specs = {k: PartitionSpec("expert") for k in params["experts"]}
+    axes = token_axes(cfg)
+    partial = sharding.TENSOR_AXIS if cfg.expert_tensor_parallel else None
+    num_peers = mesh.shape[sharding.EXPERT_AXIS]
+    body = _pft_body(cfg, seq_len, sharding.EXPERT_AXIS, num_peers, axes, transport, partial)
+    tokens = PartitionSpec(axes)
     router_specs = jax.tree.map(lambda _: PartitionSpec(), params["router"])
-    per_device = PartitionSpec(TOKEN_AXES)
-    aux_specs = {
-        "tokens_per_expert": PartitionSpec(),
-        "num_dropped": PartitionSpec(),
-        "drop_rate": PartitionSpec(),
-        "aux_loss": PartitionSpec(),
-        "z_loss": PartitionSpec(),
-        "num_overflow": PartitionSpec(),
-        "recv_rows": per_device,
-        "wire_bytes": per_device,
-    }
     fn = jax.shard_map(
-        body, mesh=mesh, in_specs=(router_specs, expert_specs, tokens), out_specs=(tokens, aux_specs)
+        body,
+        mesh=mesh,
+        in_specs=(router_specs, expert_specs(params["experts"], cfg), tokens),
+        out_specs=(tokens, aux_specs(axes)),
+        # Pallas kernel outputs carry no varying-axes type on jax 0.11; shard_map then psums
+        # the cotangents of replicated inputs itself
+        check_vma=False,
     )
     return fn(params["router"], params["experts"], x_TD)
 
@@ -164,14 +232,19 @@ def moe_layer(
       buffer: non-zero only with a small recv_buffer_factor), recv_rows and
       wire_bytes (per device).
     """
-    constrain = sharding.constrainer(mesh)
-    x_TD = constrain(x_TD, ("tokens", "embed"))
-    if cfg.dispatch == "pft":
-        y_TD, aux = _pft_routed(params, x_TD, cfg, mesh, seq_len)
-    elif cfg.dispatch in ("dense", "padded"):
-        y_TD, aux = _global_routed(params, x_TD, cfg, mesh, seq_len)
+    _check_divisible(x_TD, cfg, mesh)
+    constrain = sharding.constrainer(mesh, sharding.activation_rules(ssmb=cfg.ssmb))
+    # routed experts: the tokens over data x expert, plus tensor under SSMB (1/TP per tensor rank);
+    # a sequence-parallel input is already laid out so, a TP-replicated one is sliced for free
+    xr_TD = constrain(x_TD, ("moe_tokens", "embed"))
+    if cfg.dispatch == "pft" and not cfg.auto_shard:
+        y_TD, aux = _pft_routed(params, xr_TD, cfg, mesh, seq_len)
+    elif cfg.dispatch in ("dense", "padded", "pft"):
+        y_TD, aux = _global_routed(params, xr_TD, cfg, mesh, seq_len)
     else:
         raise ValueError(f"dispatch={cfg.dispatch!r} is not implemented")
-    if cfg.num_shared_experts > 0:
+    y_TD = constrain(y_TD, ("moe_tokens", "embed"))
+    if cfg.num_shared_experts > 0:  # a TP (column/row) MLP on the input as the caller laid it out
         y_TD = y_TD + shared_experts(x_TD, params["shared"], cfg.activation)
-    return constrain(y_TD, ("tokens", "embed")), aux
+    # under SSMB the output stays split over tensor: the caller gathers it (or keeps it under SP)
+    return constrain(y_TD, ("moe_tokens", "embed")), aux
