@@ -59,7 +59,10 @@ def main() -> None:
     mesh = make_mesh(cfg.mesh)
     model_cfg, batch, seq_len = None, None, None
     if args.model_layers:  # sequences of train.seq_len, halved until the batch splits over data x expert
-        seq_len, shards = min(cfg.train.seq_len, num_tokens), mesh.shape["data"] * mesh.shape["expert"]
+        seq_len, shards = (
+            min(cfg.train.seq_len, num_tokens),
+            mesh.shape["data"] * mesh.shape["expert_node"] * mesh.shape["expert"],
+        )
         while (num_tokens // seq_len) % shards and seq_len > 1:
             seq_len //= 2
         batch = num_tokens // seq_len

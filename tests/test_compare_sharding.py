@@ -78,7 +78,7 @@ def test_script_prints_the_table_last_and_writes_json(tmp_path, monkeypatch, cap
     table = [line for line in lines if line.startswith("|")]
     assert lines[-len(table) :] == table and len(table) == 2 + 4  # 2 variants x (layer, model)
     data = json.loads(out.read_text())
-    assert data["setup"]["mesh"] == {"data": 2, "expert": 2, "tensor": 2}
+    assert data["setup"]["mesh"] == {"data": 2, "expert_node": 1, "expert": 2, "tensor": 2}
     assert {(r["variant"], r["scope"]) for r in data["rows"]} == {
         (v, s) for v in ("pft+ssmb", "padded-auto") for s in ("layer", "model")
     }

@@ -122,13 +122,13 @@ def test_malformed_override() -> None:
 
 def test_mesh_size_must_match_device_count() -> None:
     cfg = load_config(TINY, ["mesh.data=2", "mesh.expert=2"])
-    assert cfg.validate_for_devices(4) == {"data": 2, "expert": 2, "tensor": 1}
+    assert cfg.validate_for_devices(4) == {"data": 2, "expert_node": 1, "expert": 2, "tensor": 1}
     with pytest.raises(ConfigError, match=r"mesh size data\*expert\*tensor = 2\*2\*1 = 4 != 8 devices"):
         cfg.validate_for_devices(8)
 
 
 def test_mesh_fill_resolves_data_axis() -> None:
     cfg = load_config(TINY, ["mesh.expert=2"])
-    assert cfg.validate_for_devices(8) == {"data": 4, "expert": 2, "tensor": 1}
+    assert cfg.validate_for_devices(8) == {"data": 4, "expert_node": 1, "expert": 2, "tensor": 1}
     with pytest.raises(ConfigError, match=r"mesh\.expert \* mesh\.tensor = 2 does not divide the 3 devices"):
         cfg.validate_for_devices(3)

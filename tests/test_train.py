@@ -163,12 +163,14 @@ def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
         "checkpoint.every=3",
     )
     train(cfg)
+    from xmoe_jax.config import MeshConfig
     from xmoe_jax.model import functional as fmodel
+    from xmoe_jax.sharding import make_mesh
     from xmoe_jax.train import step as tstep
     from xmoe_jax.train.checkpoint import Checkpointer
     from xmoe_jax.train.optimizer import make_optimizer
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1, 1), ("data", "expert", "tensor"))
+    mesh = make_mesh(MeshConfig(data=8))
     spec = fmodel.model_spec(cfg.model)
     opt = make_optimizer(cfg.optimizer, cfg.train.steps)
     abstract = tstep.abstract_state(spec, opt, tstep.state_shardings(spec, opt, mesh))

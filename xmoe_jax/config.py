@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-DISPATCH_MODES = ("dense", "padded", "pft")
+DISPATCH_MODES = ("dense", "padded", "pft", "rbd")
 TRANSPORTS = ("auto", "ragged", "emulated")
 ACTIVATIONS = ("swiglu", "gelu")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -221,17 +221,28 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: data x expert x tensor. `data=-1` takes the remaining devices."""
+    """Device mesh: data x expert x tensor. `data=-1` takes the remaining devices.
+
+    `expert` is the expert-parallel degree; `expert_nodes` factors it into nodes x
+    devices per node (node-major) for RBD, whose stage 1 crosses nodes and stage 2
+    stays inside one. A single host can stand in for several nodes.
+    """
 
     data: int = -1
     expert: int = 1
     tensor: int = 1
+    expert_nodes: int = 1
     fsdp: bool = False  # also shard parameters and optimizer state over `data`
 
     def __post_init__(self) -> None:
         _check(self.data == -1 or self.data >= 1, f"mesh.data={self.data} must be >= 1 or -1 (fill)")
         _check(self.expert >= 1, f"mesh.expert={self.expert} must be >= 1")
         _check(self.tensor >= 1, f"mesh.tensor={self.tensor} must be >= 1")
+        _check(
+            self.expert_nodes >= 1 and self.expert % self.expert_nodes == 0,
+            f"mesh.expert_nodes={self.expert_nodes} must divide mesh.expert={self.expert} "
+            "(devices per node = expert / expert_nodes)",
+        )
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """Axis sizes for `num_devices`; errors if they cannot multiply to it."""
@@ -250,7 +261,12 @@ class MeshConfig:
                 f"mesh size data*expert*tensor = {data}*{self.expert}*{self.tensor} = {data * fixed} "
                 f"!= {num_devices} devices; set mesh.data=-1 or sizes whose product is {num_devices}",
             )
-        return {"data": data, "expert": self.expert, "tensor": self.tensor}
+        return {
+            "data": data,
+            "expert_node": self.expert_nodes,
+            "expert": self.expert // self.expert_nodes,  # devices per node in the expert group
+            "tensor": self.tensor,
+        }
 
 
 @dataclass(frozen=True)
@@ -366,7 +382,7 @@ class Config:
     def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> dict[str, int]:
         """Checks that need the runtime: mesh size and batch divisibility."""
         axes = self.mesh.resolve(num_devices)
-        shards = axes["data"] * axes["expert"]
+        shards = axes["data"] * axes["expert_node"] * axes["expert"]
         _check(
             self.train.batch_size % shards == 0,
             f"train.batch_size={self.train.batch_size} is not divisible by data*expert={shards} "

@@ -32,8 +32,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax.config import MeshConfig
 
-MESH_AXES = ("data", "expert", "tensor")
-EXPERT_AXIS = "expert"  # the expert-parallel exchange runs over it
+MESH_AXES = ("data", "expert_node", "expert", "tensor")
+# the expert-parallel group is expert_node x expert (node-major); expert_node has size 1 unless
+# the group spans several nodes for RBD (mesh.expert_nodes), where stage 1 runs over expert_node
+# and stage 2 over expert. pft exchanges over both.
+EXPERT_AXES = ("expert_node", "expert")
 TENSOR_AXIS = "tensor"  # tensor parallelism; SSMB splits MoE tokens over it
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
@@ -44,7 +47,7 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    "experts": "expert",
+    "experts": EXPERT_AXES,
     "expert_mlp": None,
     "router_experts": None,
     "norm": None,
@@ -52,9 +55,9 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
 FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data"}
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "expert"),
-    "tokens": ("data", "expert"),
-    "moe_tokens": ("data", "expert"),  # tokens inside the MoE block (+ tensor under SSMB)
+    "batch": ("data", *EXPERT_AXES),
+    "tokens": ("data", *EXPERT_AXES),
+    "moe_tokens": ("data", *EXPERT_AXES),  # tokens inside the MoE block (+ tensor under SSMB)
     "seq": None,
     "residual_seq": None,  # sequence dim of the residual stream (tensor under sequence parallelism)
     "embed": None,
@@ -63,13 +66,13 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "vocab": "tensor",
-    "experts": "expert",
+    "experts": EXPERT_AXES,
     "capacity": None,
 }
 
 
 def make_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, expert, tensor) mesh over `devices` (default: all), Auto axes."""
+    """A (data, expert_node, expert, tensor) mesh over `devices` (default: all), Auto axes."""
     mesh_cfg = mesh_cfg or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
     sizes = mesh_cfg.resolve(len(devices))
@@ -124,7 +127,13 @@ def moe_token_axes(ssmb: bool) -> tuple[str, ...]:
     """Mesh axes the MoE block's tokens are split over (major to minor): data x expert, plus tensor
     under SSMB. Every dispatch path (pft, rbd) takes its shard_map token spec from here, so the
     flat token dim of [B*S, D] sharded (data, expert) over B and tensor over S is this layout."""
-    return ("data", "expert", "tensor") if ssmb else ("data", "expert")
+    return ("data", *EXPERT_AXES, "tensor") if ssmb else ("data", *EXPERT_AXES)
+
+
+def exchange_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The axis name(s) pft exchanges over: the expert axes of size > 1, a plain name when one."""
+    axes = tuple(a for a in EXPERT_AXES if mesh.shape[a] > 1) or (EXPERT_AXES[-1],)
+    return axes[0] if len(axes) == 1 else axes
 
 
 def axis_size(mesh: Mesh | None, axes: str | Sequence[str]) -> int:

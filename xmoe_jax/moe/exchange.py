@@ -121,3 +121,8 @@ def wire_bytes(plan: Plan, me: jax.Array, row_bytes: int, transport: str, max_ch
     else:
         rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)
     return rows * row_bytes
+
+
+def move_rows(x_ND, plan: Plan, out_rows: int, axis_name: str, transport: str, max_chunk: int) -> jax.Array:
+    """`exchange` without a VJP, for integer metadata that travels with the rows."""
+    return _TRANSPORTS[transport](x_ND, plan, out_rows, axis_name, max_chunk)

@@ -51,6 +51,7 @@ from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.experts import shared_experts
 from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import pft_dispatch
+from xmoe_jax.moe.rbd import rbd_dispatch
 
 EXPERT_AXES = {
     "w_gate": ("experts", "embed", "expert_mlp"),
@@ -81,7 +82,7 @@ def _place_experts(experts: dict, cfg: MoEConfig, mesh: Mesh | None) -> dict:
 def _check_divisible(x_TD, cfg: MoEConfig, mesh: Mesh | None) -> None:
     """shard_map needs whole token shards (the partitioner paths replicate what does not divide)."""
     shards = sharding.axis_size(mesh, token_axes(cfg))
-    if cfg.dispatch == "pft" and not cfg.auto_shard and x_TD.shape[0] % shards:
+    if cfg.dispatch in ("pft", "rbd") and not cfg.auto_shard and x_TD.shape[0] % shards:
         raise ValueError(
             f"moe_layer: {x_TD.shape[0]} tokens are not divisible by the {shards} token shards "
             f"(mesh axes {token_axes(cfg)}{' with moe.ssmb' if cfg.ssmb else ''}); "
@@ -139,8 +140,8 @@ def _global_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     constrain = sharding.constrainer(mesh, sharding.activation_rules(ssmb=cfg.ssmb))
     experts = _place_experts(params["experts"], cfg, mesh)
     if cfg.dispatch == "pft":  # the padding-free algorithm as one device would run it
-        body = _pft_body(cfg, seq_len, None, 1, (), resolve_transport(cfg.transport))
-        return body(params["router"], experts, x_TD)
+        dispatch = _dispatcher(cfg, None, resolve_transport(cfg.transport))
+        return _sharded_body(cfg, seq_len, dispatch, ())(params["router"], experts, x_TD)
     routing, keep_TK, pos_TK, gate_TK, capacity = _route_and_keep(x_TD, params["router"], cfg)
     if cfg.dispatch == "dense":
         y_TD = dense_dispatch(x_TD, routing.topk_idx_TK, gate_TK, experts, cfg.activation, constrain)
@@ -153,64 +154,112 @@ def _global_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     return y_TD, _aux(routing, keep_TK, cfg, seq_len)
 
 
-def _pft_body(cfg: MoEConfig, seq_len, axis_name, num_peers, axis_names, transport, partial_axis=None):
-    """Per-device pft layer; `partial_axis`: the experts are F-split over it (expert-TP), sum y."""
+PER_DEVICE_STATS = ("recv_rows", "wire_bytes", "pilot_rows", "inter_node_rows", "wire_bytes_node")
+
+
+def _sharded_body(cfg: MoEConfig, seq_len, dispatch, axis_names, partial_axis=None):
+    """Per-device layer: route and keep locally, then `dispatch` (pft or rbd).
+
+    `partial_axis`: the experts are F-split over it (expert-TP), so y is summed over it.
+    Statistics named in PER_DEVICE_STATS come back as [devices] vectors, the rest summed.
+    """
 
     def body(router_params, experts, x_TD):
         routing, keep_TK, pos_TK, gate_TK, _ = _route_and_keep(x_TD, router_params, cfg)
-        y_TD, stats = pft_dispatch(
-            x_TD,
-            routing.topk_idx_TK,
-            gate_TK,
-            keep_TK,
-            pos_TK,
-            experts,
-            cfg,
-            axis_name=axis_name,
-            num_peers=num_peers,
-            transport=transport,
-        )
+        y_TD, stats = dispatch(x_TD, routing.topk_idx_TK, gate_TK, keep_TK, pos_TK, experts)
         if partial_axis is not None:
             y_TD = jax.lax.psum(y_TD, partial_axis)
         aux = _aux(routing, keep_TK, cfg, seq_len, axis_names)
-        # per-device loads as [devices] vectors; totals reduced
-        aux["recv_rows"] = stats["recv_rows"][None] if axis_names else stats["recv_rows"]
-        aux["wire_bytes"] = stats["wire_bytes"][None] if axis_names else stats["wire_bytes"]
-        overflow = stats["num_overflow"]
-        aux["num_overflow"] = jax.lax.psum(overflow, axis_names) if axis_names else overflow
+        for key, value in stats.items():
+            if key in PER_DEVICE_STATS:
+                aux[key] = value[None] if axis_names else value
+            else:
+                aux[key] = jax.lax.psum(value, axis_names) if axis_names else value
         return y_TD, aux
 
     return body
 
 
-def aux_specs(axes: tuple[str, ...]) -> dict:
+def _dispatcher(cfg: MoEConfig, mesh: Mesh | None, transport: str):
+    """The per-device dispatch function of `cfg.dispatch` on `mesh` (single device without one)."""
+    if mesh is None or cfg.dispatch == "pft" or cfg.auto_shard:
+        axes = None if mesh is None or cfg.auto_shard else sharding.exchange_axes(mesh)
+        peers = sharding.axis_size(mesh, axes) if axes else 1
+
+        def run_pft(x_TD, idx_TK, gate_TK, keep_TK, pos_TK, experts):
+            return pft_dispatch(
+                x_TD,
+                idx_TK,
+                gate_TK,
+                keep_TK,
+                pos_TK,
+                experts,
+                cfg,
+                axis_name=axes,
+                num_peers=peers,
+                transport=transport,
+            )
+
+        return run_pft
+    node_axis, local_axis = sharding.EXPERT_AXES
+
+    def run_rbd(x_TD, idx_TK, gate_TK, keep_TK, pos_TK, experts):
+        del pos_TK  # rbd ranks copies per node itself
+        return rbd_dispatch(
+            x_TD,
+            idx_TK,
+            gate_TK,
+            keep_TK,
+            experts,
+            cfg,
+            node_axis=node_axis,
+            local_axis=local_axis,
+            num_nodes=mesh.shape[node_axis],
+            local_size=mesh.shape[local_axis],
+            transport=transport,
+        )
+
+    return run_rbd
+
+
+def aux_specs(axes: tuple[str, ...], stat_keys) -> dict:
     """shard_map out_specs of the aux dict: totals replicated, per-device loads over `axes`."""
-    per_device = PartitionSpec(axes)
-    totals = ("tokens_per_expert", "num_dropped", "drop_rate", "aux_loss", "z_loss", "num_overflow")
-    return {**{k: PartitionSpec() for k in totals}, "recv_rows": per_device, "wire_bytes": per_device}
+    totals = ("tokens_per_expert", "num_dropped", "drop_rate", "aux_loss", "z_loss")
+    specs = {k: PartitionSpec() for k in totals}
+    for key in stat_keys:
+        specs[key] = PartitionSpec(axes) if key in PER_DEVICE_STATS else PartitionSpec()
+    return specs
 
 
-def _pft_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
+def _sharded_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
+    """pft / rbd: one shard_map over the MoE token axes, experts over the expert axes."""
     transport = resolve_transport(cfg.transport)
+    dispatch = _dispatcher(cfg, mesh, transport)
     if mesh is None:
-        body = _pft_body(cfg, seq_len, None, 1, (), transport)
-        return body(params["router"], params["experts"], x_TD)
+        return _sharded_body(cfg, seq_len, dispatch, ())(params["router"], params["experts"], x_TD)
     axes = token_axes(cfg)
     partial = sharding.TENSOR_AXIS if cfg.expert_tensor_parallel else None
-    num_peers = mesh.shape[sharding.EXPERT_AXIS]
-    body = _pft_body(cfg, seq_len, sharding.EXPERT_AXIS, num_peers, axes, transport, partial)
+    body = _sharded_body(cfg, seq_len, dispatch, axes, partial)
     tokens = PartitionSpec(axes)
     router_specs = jax.tree.map(lambda _: PartitionSpec(), params["router"])
+    stat_keys = _stat_keys(cfg)
     fn = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(router_specs, expert_specs(params["experts"], cfg), tokens),
-        out_specs=(tokens, aux_specs(axes)),
+        out_specs=(tokens, aux_specs(axes, stat_keys)),
         # Pallas kernel outputs carry no varying-axes type on jax 0.11; shard_map then psums
         # the cotangents of replicated inputs itself
         check_vma=False,
     )
     return fn(params["router"], params["experts"], x_TD)
+
+
+def _stat_keys(cfg: MoEConfig) -> tuple[str, ...]:
+    pft_keys = ("recv_rows", "wire_bytes", "num_overflow")
+    if cfg.dispatch == "rbd":
+        return (*pft_keys, "pilot_rows", "inter_node_rows", "wire_bytes_node")
+    return pft_keys
 
 
 def moe_layer(
@@ -237,8 +286,8 @@ def moe_layer(
     # routed experts: the tokens over data x expert, plus tensor under SSMB (1/TP per tensor rank);
     # a sequence-parallel input is already laid out so, a TP-replicated one is sliced for free
     xr_TD = constrain(x_TD, ("moe_tokens", "embed"))
-    if cfg.dispatch == "pft" and not cfg.auto_shard:
-        y_TD, aux = _pft_routed(params, xr_TD, cfg, mesh, seq_len)
+    if cfg.dispatch in ("pft", "rbd") and not cfg.auto_shard:
+        y_TD, aux = _sharded_routed(params, xr_TD, cfg, mesh, seq_len)
     elif cfg.dispatch in ("dense", "padded", "pft"):
         y_TD, aux = _global_routed(params, xr_TD, cfg, mesh, seq_len)
     else:

@@ -222,7 +222,9 @@ def padded_buffers(cfg: MoEConfig, dim: int, num_tokens: int, mesh_shape: dict, 
 
 def mesh_sizes(mesh) -> dict:
     """{"data", "expert", "tensor"} sizes of a jax Mesh (1 for a missing axis)."""
-    return {a: int(mesh.shape[a]) if a in mesh.shape else 1 for a in ("data", "expert", "tensor")}
+    shape = {a: int(mesh.shape[a]) if a in mesh.shape else 1 for a in ("data", "expert", "tensor")}
+    shape["expert"] *= int(mesh.shape.get("expert_node", 1))  # the whole expert-parallel group
+    return shape
 
 
 def relative_error(estimate: float, measured: float) -> float:

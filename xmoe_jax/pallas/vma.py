@@ -39,5 +39,6 @@ def match_vma(*arrays):
     if not union:
         return arrays
     return tuple(
-        a if a is None or v == union else _to_varying(a, tuple(sorted(union - v))) for a, v in zip(arrays, vmas, strict=True)
+        a if a is None or v == union else _to_varying(a, tuple(sorted(union - v)))
+        for a, v in zip(arrays, vmas, strict=True)
     )
