@@ -50,6 +50,28 @@ class Plan(NamedTuple):
         )
 
 
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array) -> Plan:
+    """Device `me`'s plan when every device knows the whole [source, dest] matrices.
+
+    `sizes_PQ[p, q]`: rows p sends q; `chunk_rows_PQ[p, q]`: rows p's send buffer reserves
+    for q (>= sizes: a chunk may be sent only in part). Receivers stack sources in order.
+    """
+    chunk_starts_PQ = _exclusive_cumsum(chunk_rows_PQ, axis=1)  # dest q's chunk in source p's buffer
+    offsets_PQ = _exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
+    return Plan(
+        input_offsets_P=chunk_starts_PQ[me],
+        send_sizes_P=sizes_PQ[me],
+        output_offsets_P=offsets_PQ[me],
+        recv_sizes_P=sizes_PQ[:, me],
+        recv_offsets_P=offsets_PQ[:, me],
+        peer_offsets_P=chunk_starts_PQ[:, me],
+    )
+
+
 def resolve_transport(transport: str) -> str:
     """`auto` -> `ragged` on GPU (the only backend XLA implements it for), else `emulated`."""
     if transport != "auto":

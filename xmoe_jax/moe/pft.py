@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.config import MoEConfig
-from xmoe_jax.moe.exchange import Plan, exchange, wire_bytes
+from xmoe_jax.moe.exchange import exchange, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
 
 
@@ -104,17 +104,7 @@ def pft_dispatch(
         flat_QX = block_PQL.transpose(1, 0, 2).reshape(num_peers, num_peers * local_e)
         cc_QX = jnp.clip(num_recv - _exclusive_cumsum(flat_QX), 0, flat_QX)
         cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
-        sizes_PQ = cc_PQL.sum(-1)
-        offsets_PQ = _exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
-        chunk_starts_PQ = _exclusive_cumsum(block_PQL.sum(-1))  # dest q's chunk in source p's buffer
-        plan = Plan(
-            input_offsets_P=chunk_starts_PQ[me],
-            send_sizes_P=sizes_PQ[me],
-            output_offsets_P=offsets_PQ[me],
-            recv_sizes_P=sizes_PQ[:, me],
-            recv_offsets_P=offsets_PQ[:, me],
-            peer_offsets_P=chunk_starts_PQ[:, me],
-        )
+        plan = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me)
         x_recv_MD = exchange(x_send_AD, plan, num_recv, num_send, axis_name, transport, max_chunk)
         cc_PL = cc_PQL[:, me, :]
         grouped_M = _grouped_index(cc_PL, num_recv)

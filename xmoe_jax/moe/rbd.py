@@ -34,25 +34,9 @@ import jax.numpy as jnp
 
 from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.capacity import expert_positions
-from xmoe_jax.moe.exchange import Plan, exchange, move_rows, wire_bytes
+from xmoe_jax.moe.exchange import exchange, move_rows, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.pft import _exclusive_cumsum, pft_dispatch
 from xmoe_jax.pallas import combine, permute
-
-
-def _pilot_plan(counts_N: jax.Array, node_axis: str, num_nodes: int) -> Plan:
-    """Stage-1 plan: my pilot chunk per destination node; everybody's counts via one all-gather."""
-    me = jax.lax.axis_index(node_axis)
-    sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node]
-    chunk_starts_PQ = _exclusive_cumsum(sizes_PQ, axis=1)
-    offsets_PQ = _exclusive_cumsum(sizes_PQ, axis=0)
-    return Plan(
-        input_offsets_P=chunk_starts_PQ[me],
-        send_sizes_P=sizes_PQ[me],
-        output_offsets_P=offsets_PQ[me],
-        recv_sizes_P=sizes_PQ[:, me],
-        recv_offsets_P=offsets_PQ[:, me],
-        peer_offsets_P=chunk_starts_PQ[:, me],
-    )
 
 
 def rbd_dispatch(
@@ -112,7 +96,8 @@ def rbd_dispatch(
     x_send_AD = permute(x_TD, dest_TN, num_send)
 
     # 2. stage 1 along the node axis
-    plan = _pilot_plan(counts_N, node_axis, num_nodes)
+    sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node] pilots
+    plan = plan_from_sizes(sizes_PQ, sizes_PQ, jax.lax.axis_index(node_axis))
     x_pil_MD = exchange(x_send_AD, plan, num_recv, num_send, node_axis, transport, num_tokens)
     w_pil_MS = exchange(w_send_AS, plan, num_recv, num_send, node_axis, transport, num_tokens)
     idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, transport, num_tokens)
