@@ -178,3 +178,24 @@ def test_mesh_that_does_not_fit_the_devices_fails_on_every_process(tmp_path):
         assert r["rc"] == 2, r["err"]
         assert "2*4*1 = 8 != 4 devices" in r["err"]  # both sizes, before anything compiled
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # ~40 s: 2 processes each compile the step
+def test_rbd_node_axis_across_processes_matches_single_process(tmp_path):
+    """RBD with the node axis across 2 processes x 4 devices (2 nodes of 4) trains exactly like
+    one process running the dense oracle: stage 1 crosses processes over gloo."""
+    moe = ["model.moe.dispatch=rbd", "checkpoint.enabled=false", "train.steps=3"]
+    ref_cfg = load_config(
+        TINY,
+        [f"train.run_dir={tmp_path / 'ref'}", *COMMON, "train.steps=3", "checkpoint.enabled=false"]
+        + ["mesh.data=1", "mesh.expert=8", "model.moe.dispatch=dense"],
+    )
+    reference = train(ref_cfg).losses
+    run = tmp_path / "rbd"
+    port = portpicker.pick_unused_port()
+    argv = _cli_args(run, *moe, "mesh.data=1", "mesh.expert=8", "mesh.expert_nodes=2")
+    flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--init-timeout", "180"]
+    results = _launch(tmp_path, "rbd", 4, [([*argv, *flags, "--process-id", str(i)], {}) for i in range(2)])
+    _ok(results, "2-process rbd run")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([r["loss"] for r in records], [reference[s] for s in (1, 2, 3)], rtol=2e-5)

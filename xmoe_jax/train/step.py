@@ -132,6 +132,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     return jax.jit(
         step,
         in_shardings=(shardings, {"inputs": data_sh, "targets": data_sh}),
-        out_shardings=(shardings, None),
+        # metrics replicated: every process can read them (per-device loads span processes)
+        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
     )
