@@ -11,7 +11,6 @@ times the padding-free exchange alone against a dense all_to_all of the same row
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -144,9 +143,3 @@ def small_shapes(**overrides) -> tuple[MoEConfig, int]:
     """The X-MoE paper's Small expert shapes: D=2048, F=1408, E=64, k=6, GELU experts."""
     cfg = MoEConfig(num_experts=64, top_k=6, expert_hidden=1408, activation="gelu", aux_loss_weight=0.01)
     return dataclasses.replace(cfg, **overrides), 2048
-
-
-def padded_capacity_rows(cfg: MoEConfig, num_tokens: int) -> int:
-    return cfg.num_experts * math.ceil(
-        (cfg.capacity_factor or 1.0) * num_tokens * cfg.top_k / cfg.num_experts
-    )
