@@ -31,7 +31,6 @@ SSMB variants pay for their all-gather after the block.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 import jax
@@ -91,30 +90,8 @@ def _memory(compiled) -> dict:
     return out
 
 
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-
-
-def group_size(line: str) -> int | None:
-    """Devices per replica group of an HLO collective line (None if it names none)."""
-    if m := _GROUPS_LIST.search(line):
-        return len([d for d in m.group(1).split(",") if d])
-    if m := _GROUPS_IOTA.search(line):
-        return int(m.group(1))
-    if m := _GROUPS_MESH.search(line):
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
-    return None
-
-
-def drop_trivial_collectives(hlo_text: str) -> str:
-    """The HLO without collectives over one-device groups (a psum over a size-1 axis moves nothing)."""
-    return "\n".join(line for line in hlo_text.splitlines() if group_size(line) != 1)
-
-
 def _collectives(compiled) -> dict:
-    stats = collective_stats(drop_trivial_collectives(compiled.as_text()))
+    stats = collective_stats(compiled.as_text())
     return {
         "collectives": stats,
         "collective_count": sum(s["count"] for s in stats.values()),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+import numpy as np
+
 COLLECTIVES = (
     "ragged-all-to-all",
     "all-to-all",
@@ -48,12 +50,33 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def group_size(line: str) -> int | None:
+    """Devices per replica group of an HLO collective line (None if it names none)."""
+    if m := _GROUPS_LIST.search(line):
+        return len([d for d in m.group(1).split(",") if d])
+    if m := _GROUPS_IOTA.search(line):
+        return int(m.group(1))
+    if m := _GROUPS_MESH.search(line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+    return None
+
+
 def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{op: {"count": n, "bytes": result bytes summed}} over the module (async pairs counted once)."""
+    """{op: {"count": n, "bytes": result bytes summed}} over the module (async pairs counted once).
+
+    Collectives over one-device groups (a psum over a size-1 mesh axis) move nothing and are
+    left out.
+    """
     stats: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for line in hlo_text.splitlines():
         m = _OP.search(line)
-        if not m or "-done(" in line:
+        if not m or "-done(" in line or group_size(line) == 1:
             continue
         op = m.group(2)
         stats[op]["count"] += 1

@@ -50,7 +50,8 @@ class Plan(NamedTuple):
         )
 
 
-def _exclusive_cumsum(x, axis):
+def exclusive_cumsum(x, axis=-1):
+    """Start offsets of consecutive chunks whose sizes are `x` along `axis`."""
     return jnp.cumsum(x, axis=axis) - x
 
 
@@ -60,8 +61,8 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
     `sizes_PQ[p, q]`: rows p sends q; `chunk_rows_PQ[p, q]`: rows p's send buffer reserves
     for q (>= sizes: a chunk may be sent only in part). Receivers stack sources in order.
     """
-    chunk_starts_PQ = _exclusive_cumsum(chunk_rows_PQ, axis=1)  # dest q's chunk in source p's buffer
-    offsets_PQ = _exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
+    chunk_starts_PQ = exclusive_cumsum(chunk_rows_PQ, axis=1)  # dest q's chunk in source p's buffer
+    offsets_PQ = exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
     return Plan(
         input_offsets_P=chunk_starts_PQ[me],
         send_sizes_P=sizes_PQ[me],

@@ -28,12 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.config import MoEConfig
-from xmoe_jax.moe.exchange import exchange, plan_from_sizes, wire_bytes
+from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
-
-
-def _exclusive_cumsum(x, axis=-1):
-    return jnp.cumsum(x, axis=axis) - x
 
 
 def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:
@@ -57,7 +53,7 @@ def _grouped_index(cc_PL: jax.Array, num_rows: int) -> jax.Array:
     seg_len = cc_PL.reshape(-1)
     seg_end = jnp.cumsum(seg_len)
     seg_start = seg_end - seg_len
-    seg_dest = (_exclusive_cumsum(cc_PL.sum(0))[None, :] + _exclusive_cumsum(cc_PL, axis=0)).reshape(-1)
+    seg_dest = (exclusive_cumsum(cc_PL.sum(0))[None, :] + exclusive_cumsum(cc_PL, axis=0)).reshape(-1)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     seg = jnp.minimum(jnp.searchsorted(seg_end, rows, side="right"), seg_len.shape[0] - 1)
     return jnp.where(rows < seg_end[-1], seg_dest[seg] + rows - seg_start[seg], num_rows)
@@ -83,7 +79,7 @@ def pft_dispatch(
     num_send = num_tokens * top_k
 
     counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
-    dest_TK = jnp.where(keep_TK, _exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
+    dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
     x_send_AD = (
         jnp.zeros((num_send, dim), x_TD.dtype)
         .at[dest_TK.reshape(-1)]
@@ -102,7 +98,7 @@ def pft_dispatch(
         block_PQL = counts_PE.reshape(num_peers, num_peers, local_e)  # source, dest, local expert
         # each destination fills its M rows in (source, local expert) order; the rest overflow
         flat_QX = block_PQL.transpose(1, 0, 2).reshape(num_peers, num_peers * local_e)
-        cc_QX = jnp.clip(num_recv - _exclusive_cumsum(flat_QX), 0, flat_QX)
+        cc_QX = jnp.clip(num_recv - exclusive_cumsum(flat_QX), 0, flat_QX)
         cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
         plan = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me)
         x_recv_MD = exchange(x_send_AD, plan, num_recv, num_send, axis_name, transport, max_chunk)

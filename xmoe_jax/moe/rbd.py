@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.capacity import expert_positions
-from xmoe_jax.moe.exchange import exchange, move_rows, plan_from_sizes, wire_bytes
-from xmoe_jax.moe.pft import _exclusive_cumsum, pft_dispatch
+from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
+from xmoe_jax.moe.pft import pft_dispatch
 from xmoe_jax.pallas import combine, permute
 
 
@@ -66,7 +66,7 @@ def rbd_dispatch(
     hit_TN = match_TNK.any(-1)
     counts_N = hit_TN.sum(0).astype(jnp.int32)
     rank_TN = jnp.cumsum(hit_TN, axis=0) - hit_TN
-    dest_TN = jnp.where(hit_TN, _exclusive_cumsum(counts_N)[None, :] + rank_TN, num_send).astype(jnp.int32)
+    dest_TN = jnp.where(hit_TN, exclusive_cumsum(counts_N)[None, :] + rank_TN, num_send).astype(jnp.int32)
     # metadata: the token's experts on each node, valid slots first
     order_TNK = jnp.argsort(~match_TNK, axis=-1, stable=True)[..., :slots]
     valid_TNS = jnp.take_along_axis(match_TNK, order_TNK, axis=-1)
