@@ -1,13 +1,18 @@
-"""One MoE layer, forward and forward+backward: pft vs padded (cf 1.0, 1.25) vs dense.
+"""One MoE layer, forward and forward+backward: pft / rbd vs padded (cf 1.0, 1.25) vs dense.
 
     python scripts/bench_moe_layer.py --tokens-per-device 16384 --out results.json
     XMOE_RAGGED_A2A=sendrecv python scripts/bench_moe_layer.py ...   # another exchange preset
+    # 4 GPUs as 2 nodes x 2, per-stage times of pft and rbd
+    python scripts/bench_moe_layer.py --expert-nodes 2 --modes rbd,pft,padded:1.25 --stages pft,rbd
 
 Small expert shapes (D=2048, F=1408, E=64, k=6, GELU), bf16, expert parallelism over
-all local devices. Prints time, tokens/s, useful TFLOP/s, temporary (activation)
-memory from the compiled program, collective bytes from its HLO and the pft wire
-bytes, for uniform and skewed routing; then the exchange alone against a dense
-all_to_all of the same rows; the same-run dense matmul ceiling; ratios last.
+all local devices (factored into --expert-nodes nodes). Prints time, tokens/s, useful
+TFLOP/s, temporary (activation) memory from the compiled program, collective bytes
+from its HLO and the exchange wire bytes, for uniform and skewed routing; with
+--stages, each listed dispatch's forward per stage (xmoe_jax/bench_stages.py); with
+several nodes, the rows crossing the node axis under PFT and under RBD for the same
+routing; then the exchange alone against a dense all_to_all of the same rows; the
+same-run dense matmul ceiling; ratios last.
 """
 
 from __future__ import annotations
@@ -20,11 +25,39 @@ from xmoe_jax.xla_flags import apply_defaults
 apply_defaults()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-from xmoe_jax.bench_moe import exchange_case, moe_layer_case, small_shapes  # noqa: E402
+from xmoe_jax.bench_moe import (  # noqa: E402
+    exchange_case,
+    make_inputs,
+    moe_layer_case,
+    place_inputs,
+    small_shapes,
+)
+from xmoe_jax.bench_stages import node_rows, stage_times  # noqa: E402
 from xmoe_jax.benchmarking import dense_matmul_tflops, environment  # noqa: E402
 from xmoe_jax.config import MeshConfig  # noqa: E402
 from xmoe_jax.sharding import make_mesh  # noqa: E402
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err)[:300]}"
+
+
+def stage_cases(dispatches: str, mesh, num_tokens: int, skew: float, iters: int) -> list[dict]:
+    """Per-stage forward times of each listed dispatch (dropless) at one skew."""
+    out = []
+    for name in filter(None, dispatches.split(",")):
+        cfg, dim = small_shapes(dispatch=name)
+        params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
+        try:
+            out.append(
+                {"dispatch": name, "skew": skew, "stages": stage_times(cfg, mesh, params, x_TD, iters)}
+            )
+        except Exception as err:  # record and go on, as for the layer cases
+            out.append({"dispatch": name, "skew": skew, "error": _error(err)})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def main() -> None:
@@ -34,14 +67,23 @@ def main() -> None:
         "--modes", default="pft,padded:1.25,padded:1.0,dense", help="comma list of dispatch[:capacity_factor]"
     )
     p.add_argument("--skews", default="0,1.0")
+    p.add_argument("--expert-nodes", type=int, default=1, help="factor the expert axis into nodes x local")
+    p.add_argument("--stages", default="", help="comma list of dispatches (pft, rbd) to time per stage")
+    p.add_argument("--no-exchange", action="store_true", help="skip the exchange-alone comparison")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    mesh = make_mesh(MeshConfig(data=1, expert=jax.device_count()))
+    mesh = make_mesh(MeshConfig(data=1, expert=jax.device_count(), expert_nodes=args.expert_nodes))
     num_tokens = args.tokens_per_device * jax.device_count()
-    rows = []
+    rows, stages, crossing = [], [], []
     for skew in (float(s) for s in args.skews.split(",")):
+        stages += stage_cases(args.stages, mesh, num_tokens, skew, args.iters)
+        if args.expert_nodes > 1:  # same routing for every dropless dispatch
+            cfg, dim = small_shapes(dispatch="rbd")
+            params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
+            crossing.append({"skew": skew, "tokens": num_tokens, **node_rows(cfg, mesh, params, x_TD)})
+            print(json.dumps(crossing[-1]), flush=True)
         for mode in args.modes.split(","):
             name, _, cf = mode.partition(":")
             cfg, dim = small_shapes(dispatch=name, capacity_factor=float(cf) if cf else None)
@@ -53,24 +95,27 @@ def main() -> None:
                         "dispatch": name,
                         "capacity_factor": cfg.capacity_factor,
                         "skew": skew,
-                        "error": f"{type(err).__name__}: {str(err)[:300]}",
+                        "error": _error(err),
                     }
                 )
             print(json.dumps(rows[-1]), flush=True)
     exchanges = []
-    if jax.device_count() > 1:
+    if jax.device_count() > 1 and not args.no_exchange:
         per_pair = args.tokens_per_device * small_shapes()[0].top_k // jax.device_count()
         for transport in ("auto", "emulated"):
             try:
                 exchanges.append(exchange_case(mesh, per_pair, 2048, transport))
             except Exception as err:
-                exchanges.append({"transport": transport, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                exchanges.append({"transport": transport, "error": _error(err)})
             print(json.dumps(exchanges[-1]), flush=True)
     result = {
         **environment(),
         "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
         "tokens_per_device": args.tokens_per_device,
+        "mesh": dict(mesh.shape),
         "cases": rows,
+        "stages": stages,
+        "node_rows": crossing,
         "exchange": exchanges,
         "dense_matmul_tflops": dense_matmul_tflops(),
     }
@@ -87,11 +132,24 @@ def main() -> None:
             print(f"{r['skew']:>4} {mode:<12} {r['error'][:80]}")
             continue
         a2a = sum(v["bytes"] for k, v in r["collectives"].items() if "all-to-all" in k) / 1e6
-        a2a = r.get("pft_wire_bytes_per_device", a2a * 1e6) / 1e6 if r["dispatch"] == "pft" else a2a
+        wire = r.get("pft_wire_bytes_per_device", 0) + r.get("rbd_node_wire_bytes_per_device", 0)
+        a2a = wire / 1e6 if r["dispatch"] in ("pft", "rbd") else a2a
         print(
             f"{r['skew']:>4} {mode:<12} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
             f"{r['useful_tflops_per_device']:>8.1f} {(r['temp_bytes'] or 0) / 1e9:>8.2f} {r['drop_rate']:>6.3f} "
             f"{a2a:>8.1f}"
+        )
+    for st in stages:
+        if "error" in st:
+            print(f"stages {st['dispatch']} skew {st['skew']}: {st['error'][:80]}")
+            continue
+        parts = "  ".join(f"{r['stage']} {r['stage_ms']:.2f}" for r in st["stages"])
+        print(f"stages {st['dispatch']} skew {st['skew']} (fwd ms): {parts}")
+    for c in crossing:
+        saving = 1 - c["rbd_node_rows"] / max(c["pft_node_rows"], 1)
+        print(
+            f"node rows skew {c['skew']} ({c['nodes']} nodes x {c['gpus_per_node']}): pft {c['pft_node_rows']} "
+            f"rbd {c['rbd_node_rows']} saving {100 * saving:.1f}%"
         )
     for e in exchanges:
         print("exchange", json.dumps(e))

@@ -22,7 +22,8 @@ from xmoe_jax.config import MoEConfig
 from xmoe_jax.hlo_stats import collective_stats
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport
-from xmoe_jax.moe.layer import TOKEN_AXES
+from xmoe_jax.moe.layer import TOKEN_AXES, expert_specs
+from xmoe_jax.sharding import axis_size, exchange_axes
 
 
 def skew_offsets(num_experts: int, skew: float) -> np.ndarray:
@@ -47,19 +48,21 @@ def useful_flops(cfg: MoEConfig, dim: int, num_tokens: int) -> float:
     return 3 * 2 * num_tokens * cfg.top_k * mats * dim * cfg.expert_hidden
 
 
+def place_inputs(params, x_TD, cfg: MoEConfig, mesh):
+    """Router replicated, experts over the expert axes, tokens over the data x expert axes."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    p_sh = {
+        "router": jax.tree.map(lambda _: rep, params["router"]),
+        "experts": {k: NamedSharding(mesh, s) for k, s in expert_specs(params["experts"], cfg).items()},
+    }
+    return jax.device_put(params, p_sh), jax.device_put(x_TD, NamedSharding(mesh, PartitionSpec(TOKEN_AXES)))
+
+
 def moe_layer_case(
     cfg: MoEConfig, dim: int, num_tokens: int, mesh, skew: float, dtype=jnp.bfloat16, iters: int = 10
 ) -> dict:
     params, x_TD = make_inputs(cfg, dim, num_tokens, skew, dtype)
-    tok_sh = NamedSharding(mesh, PartitionSpec(TOKEN_AXES))
-    exp_sh = NamedSharding(mesh, PartitionSpec("expert"))
-    rep = NamedSharding(mesh, PartitionSpec())
-    p_sh = {
-        "router": jax.tree.map(lambda _: rep, params["router"]),
-        "experts": jax.tree.map(lambda _: exp_sh, params["experts"]),
-    }
-    params = jax.device_put(params, p_sh)
-    x_TD = jax.device_put(x_TD, tok_sh)
+    params, x_TD = place_inputs(params, x_TD, cfg, mesh)
     r_TD = jax.random.normal(jax.random.key(1), x_TD.shape, dtype)
 
     def objective(params, x_TD):
@@ -92,6 +95,10 @@ def moe_layer_case(
         out["pft_wire_bytes_per_device"] = float(np.mean(np.asarray(aux["wire_bytes"])))
         out["recv_rows_per_device"] = np.asarray(aux["recv_rows"]).tolist()
         out["num_overflow"] = int(aux["num_overflow"])
+    if "wire_bytes_node" in aux:  # rbd: stage 1 (node axis), per device
+        out["rbd_node_wire_bytes_per_device"] = float(np.mean(np.asarray(aux["wire_bytes_node"])))
+        out["rbd_inter_node_rows"] = int(np.asarray(aux["inter_node_rows"]).sum())
+        out["rbd_pilot_rows"] = int(np.asarray(aux["pilot_rows"]).sum())
     return out
 
 
@@ -99,14 +106,15 @@ def exchange_case(
     mesh, rows_per_pair: int, dim: int, transport: str, dtype=jnp.bfloat16, iters: int = 20
 ) -> dict:
     """One forward exchange with every peer sending `rows_per_pair` rows to every other, vs all_to_all."""
-    peers = mesh.shape["expert"]
+    axes = exchange_axes(mesh)
+    peers = axis_size(mesh, axes)
     transport = resolve_transport(transport)
     rows = peers * rows_per_pair
     sizes_P = jnp.full((peers,), rows_per_pair, jnp.int32)
     offs_P = jnp.arange(peers, dtype=jnp.int32) * rows_per_pair
 
     def body(x_ND):
-        me = jax.lax.axis_index("expert")
+        me = jax.lax.axis_index(axes)
         plan = Plan(
             offs_P,
             sizes_P,
@@ -115,12 +123,12 @@ def exchange_case(
             offs_P,
             jnp.full((peers,), me * rows_per_pair, jnp.int32),
         )
-        return exchange(x_ND, plan, rows, rows, "expert", transport, rows_per_pair)
+        return exchange(x_ND, plan, rows, rows, axes, transport, rows_per_pair)
 
     def dense(x_ND):
-        return jax.lax.all_to_all(x_ND.reshape(peers, rows_per_pair, dim), "expert", 0, 0).reshape(rows, dim)
+        return jax.lax.all_to_all(x_ND.reshape(peers, rows_per_pair, dim), axes, 0, 0).reshape(rows, dim)
 
-    spec = PartitionSpec("expert")
+    spec = PartitionSpec(axes)
     x = jax.device_put(
         jax.random.normal(jax.random.key(0), (peers * rows, dim), dtype), NamedSharding(mesh, spec)
     )

@@ -50,8 +50,9 @@ from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.experts import shared_experts
 from xmoe_jax.moe.padded import padded_dispatch
-from xmoe_jax.moe.pft import pft_dispatch
-from xmoe_jax.moe.rbd import rbd_dispatch
+from xmoe_jax.moe.pft import pft_stages
+from xmoe_jax.moe.rbd import rbd_stages
+from xmoe_jax.moe.stages import run
 
 EXPERT_AXES = {
     "w_gate": ("experts", "embed", "expert_mlp"),
@@ -96,7 +97,8 @@ def _check_divisible(x_TD, cfg: MoEConfig, mesh: Mesh | None) -> None:
         )
 
 
-def _route_and_keep(x_TD, router_params, cfg: MoEConfig):
+def route_and_keep(x_TD, router_params, cfg: MoEConfig):
+    """Routing, then capacity: (routing, keep_TK, pos_TK, gate_TK, capacity or None)."""
     bias_E = router_params.get("bias") if cfg.has_router_bias else None
     routing = router.route(x_TD, router_params["kernel"], bias_E, cfg)
     capacity = cfg.capacity(x_TD.shape[0]) if cfg.capacity_factor is not None else None
@@ -140,9 +142,9 @@ def _global_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     constrain = sharding.constrainer(mesh, sharding.activation_rules(ssmb=cfg.ssmb))
     experts = _place_experts(params["experts"], cfg, mesh)
     if cfg.dispatch == "pft":  # the padding-free algorithm as one device would run it
-        dispatch = _dispatcher(cfg, None, resolve_transport(cfg.transport))
+        dispatch = dispatch_stages(cfg, None, resolve_transport(cfg.transport))
         return _sharded_body(cfg, seq_len, dispatch, ())(params["router"], experts, x_TD)
-    routing, keep_TK, pos_TK, gate_TK, capacity = _route_and_keep(x_TD, params["router"], cfg)
+    routing, keep_TK, pos_TK, gate_TK, capacity = route_and_keep(x_TD, params["router"], cfg)
     if cfg.dispatch == "dense":
         y_TD = dense_dispatch(x_TD, routing.topk_idx_TK, gate_TK, experts, cfg.activation, constrain)
     else:
@@ -158,15 +160,15 @@ PER_DEVICE_STATS = ("recv_rows", "wire_bytes", "pilot_rows", "inter_node_rows", 
 
 
 def _sharded_body(cfg: MoEConfig, seq_len, dispatch, axis_names, partial_axis=None):
-    """Per-device layer: route and keep locally, then `dispatch` (pft or rbd).
+    """Per-device layer: route and keep locally, then run `dispatch`'s stages (pft or rbd).
 
     `partial_axis`: the experts are F-split over it (expert-TP), so y is summed over it.
     Statistics named in PER_DEVICE_STATS come back as [devices] vectors, the rest summed.
     """
 
     def body(router_params, experts, x_TD):
-        routing, keep_TK, pos_TK, gate_TK, _ = _route_and_keep(x_TD, router_params, cfg)
-        y_TD, stats = dispatch(x_TD, routing.topk_idx_TK, gate_TK, keep_TK, pos_TK, experts)
+        routing, keep_TK, pos_TK, gate_TK, _ = route_and_keep(x_TD, router_params, cfg)
+        y_TD, stats = run(dispatch(x_TD, routing.topk_idx_TK, gate_TK, keep_TK, pos_TK, experts))
         if partial_axis is not None:
             y_TD = jax.lax.psum(y_TD, partial_axis)
         aux = _aux(routing, keep_TK, cfg, seq_len, axis_names)
@@ -180,14 +182,18 @@ def _sharded_body(cfg: MoEConfig, seq_len, dispatch, axis_names, partial_axis=No
     return body
 
 
-def _dispatcher(cfg: MoEConfig, mesh: Mesh | None, transport: str):
-    """The per-device dispatch function of `cfg.dispatch` on `mesh` (single device without one)."""
+def dispatch_stages(cfg: MoEConfig, mesh: Mesh | None, transport: str):
+    """The per-device dispatch of `cfg.dispatch` on `mesh` (one device without one), as stages.
+
+    Returns f(x_TD, idx_TK, gate_TK, keep_TK, pos_TK, experts) -> a stage generator
+    (stages.py) whose result is (y_TD, stats).
+    """
     if mesh is None or cfg.dispatch == "pft" or cfg.auto_shard:
         axes = None if mesh is None or cfg.auto_shard else sharding.exchange_axes(mesh)
         peers = sharding.axis_size(mesh, axes) if axes else 1
 
         def run_pft(x_TD, idx_TK, gate_TK, keep_TK, pos_TK, experts):
-            return pft_dispatch(
+            return pft_stages(
                 x_TD,
                 idx_TK,
                 gate_TK,
@@ -205,7 +211,7 @@ def _dispatcher(cfg: MoEConfig, mesh: Mesh | None, transport: str):
 
     def run_rbd(x_TD, idx_TK, gate_TK, keep_TK, pos_TK, experts):
         del pos_TK  # rbd ranks copies per node itself
-        return rbd_dispatch(
+        return rbd_stages(
             x_TD,
             idx_TK,
             gate_TK,
@@ -234,7 +240,7 @@ def aux_specs(axes: tuple[str, ...], stat_keys) -> dict:
 def _sharded_routed(params, x_TD, cfg: MoEConfig, mesh, seq_len):
     """pft / rbd: one shard_map over the MoE token axes, experts over the expert axes."""
     transport = resolve_transport(cfg.transport)
-    dispatch = _dispatcher(cfg, mesh, transport)
+    dispatch = dispatch_stages(cfg, mesh, transport)
     if mesh is None:
         return _sharded_body(cfg, seq_len, dispatch, ())(params["router"], params["experts"], x_TD)
     axes = token_axes(cfg)

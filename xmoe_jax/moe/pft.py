@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
+from xmoe_jax.moe.stages import Stages
 
 
 def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:
@@ -59,7 +60,7 @@ def _grouped_index(cc_PL: jax.Array, num_rows: int) -> jax.Array:
     return jnp.where(rows < seg_end[-1], seg_dest[seg] + rows - seg_start[seg], num_rows)
 
 
-def pft_dispatch(
+def pft_stages(
     x_TD: jax.Array,
     topk_idx_TK: jax.Array,
     gate_TK: jax.Array,
@@ -71,8 +72,11 @@ def pft_dispatch(
     axis_name: str | None,
     num_peers: int,
     transport: str,
-) -> tuple[jax.Array, dict]:
-    """Routed-expert output y_TD for this device's tokens, and exchange statistics."""
+) -> Stages:
+    """The dispatch as stages (stages.py): send_buffer, [exchange, experts, return], combine.
+
+    Returns (y_TD, stats) at the end; with one peer there is no exchange stage.
+    """
     num_tokens, top_k = topk_idx_TK.shape
     num_e, dim = cfg.num_experts, x_TD.shape[1]
     local_e = num_e // num_peers
@@ -85,9 +89,11 @@ def pft_dispatch(
         .at[dest_TK.reshape(-1)]
         .set(jnp.repeat(x_TD, top_k, axis=0), mode="drop")
     )
+    yield "send_buffer", (x_send_AD,)
 
     if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
         y_send_AD = grouped_experts(x_send_AD, experts, counts_E, cfg.activation)
+        yield "experts", (y_send_AD,)
         sent_TK = keep_TK
         stats = {"recv_rows": counts_E.sum(), "wire_bytes": jnp.zeros((), jnp.float32)}
     else:
@@ -102,12 +108,15 @@ def pft_dispatch(
         cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
         plan = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me)
         x_recv_MD = exchange(x_send_AD, plan, num_recv, num_send, axis_name, transport, max_chunk)
+        yield "exchange", (x_recv_MD,)
         cc_PL = cc_PQL[:, me, :]
         grouped_M = _grouped_index(cc_PL, num_recv)
         x_grp_MD = jnp.zeros_like(x_recv_MD).at[grouped_M].set(x_recv_MD, mode="drop")
         y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), cfg.activation)
+        yield "experts", (y_grp_MD,)
         y_recv_MD = y_grp_MD.at[grouped_M].get(mode="fill", fill_value=0)
         y_send_AD = exchange(y_recv_MD, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk)
+        yield "return", (y_send_AD,)
         sent_E = cc_PQL[me].reshape(num_e)  # rows of each expert that fit at their destination
         sent_TK = keep_TK & (pos_TK < sent_E[topk_idx_TK])
         row_bytes = dim * jnp.dtype(x_TD.dtype).itemsize

@@ -35,11 +35,12 @@ import jax.numpy as jnp
 from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
-from xmoe_jax.moe.pft import pft_dispatch
+from xmoe_jax.moe.pft import pft_stages
+from xmoe_jax.moe.stages import Stages, prefixed
 from xmoe_jax.pallas import combine, permute
 
 
-def rbd_dispatch(
+def rbd_stages(
     x_TD: jax.Array,
     topk_idx_TK: jax.Array,
     gate_TK: jax.Array,
@@ -52,8 +53,11 @@ def rbd_dispatch(
     num_nodes: int,
     local_size: int,
     transport: str,
-) -> tuple[jax.Array, dict]:
-    """Routed-expert output y_TD for this device's tokens, and exchange statistics."""
+) -> Stages:
+    """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
+
+    Returns (y_TD, stats) at the end.
+    """
     num_tokens, top_k = topk_idx_TK.shape
     per_node = cfg.num_experts // num_nodes
     slots = min(top_k, per_node)
@@ -94,6 +98,7 @@ def rbd_dispatch(
         .set(weight_TNS.reshape(-1, slots).astype(jnp.float32), mode="drop")
     )
     x_send_AD = permute(x_TD, dest_TN, num_send)
+    yield "pilots", (x_send_AD, idx_send_AS, w_send_AS)
 
     # 2. stage 1 along the node axis
     sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node] pilots
@@ -103,6 +108,7 @@ def rbd_dispatch(
     idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, transport, num_tokens)
     valid_M = jnp.arange(num_recv) < plan.recv_sizes_P.sum()
     keep_MS = valid_M[:, None] & (idx_pil_MS < per_node)
+    yield "stage1", (x_pil_MD, w_pil_MS, idx_pil_MS)
 
     # 3. stage 2: PFT inside the node, pilots as tokens; returns each pilot's in-node weighted sum
     node_cfg = dataclasses.replace(
@@ -116,21 +122,26 @@ def rbd_dispatch(
     )
     gate_MS = jnp.where(keep_MS, w_pil_MS, 0.0)
     pos_MS = expert_positions(jnp.where(keep_MS, idx_pil_MS, per_node), gate_MS, per_node + 1, "position")
-    y_pil_MD, stats2 = pft_dispatch(
-        x_pil_MD,
-        jnp.where(keep_MS, idx_pil_MS, 0),
-        gate_MS,
-        keep_MS,
-        pos_MS,
-        experts,
-        node_cfg,
-        axis_name=local_axis,
-        num_peers=local_size,
-        transport=transport,
+    y_pil_MD, stats2 = yield from prefixed(
+        "stage2",
+        pft_stages(
+            x_pil_MD,
+            jnp.where(keep_MS, idx_pil_MS, 0),
+            gate_MS,
+            keep_MS,
+            pos_MS,
+            experts,
+            node_cfg,
+            axis_name=local_axis,
+            num_peers=local_size,
+            transport=transport,
+        ),
     )
+    yield "stage2/combine", (y_pil_MD,)
 
     # combine: one partial sum per (token, node) back along the node axis, then summed per token
     y_back_AD = exchange(y_pil_MD, plan.reverse(), num_send, num_recv, node_axis, transport, num_tokens)
+    yield "return", (y_back_AD,)
     y_TD = combine(y_back_AD, dest_TN, hit_TN.astype(jnp.float32))
 
     me = jax.lax.axis_index(node_axis)
