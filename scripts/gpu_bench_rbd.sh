@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issues 5, 6 and 8 GPU measurements on one 4-GPU host, in one device call. Usage (repo root, GPU machine):
+#   bash scripts/gpu_bench_rbd.sh layers   # MoE layer, pft/rbd/padded + per-stage times:
+#                                          #   GPUs 0,1 as 2 single-GPU nodes, alongside compare_sharding.py
+#                                          #   (TP=2) on GPUs 2,3; then all 4 GPUs as 2 nodes x 2
+#   bash scripts/gpu_bench_rbd.sh train    # short train runs on 2 nodes x 2 for padded, pft, rbd
+# Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
+# Everything lands in ${OUT:-/tmp/out}/results.tgz (JSON + logs) and a summary on stdout.
+# Needs grain/jax-triton wheels in .whl (README "Benchmarks").
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/results; mkdir -p "$R"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+nvidia-smi topo -m > "$R/topo.txt" 2>&1
+LAYER="scripts/bench_moe_layer.py --tokens-per-device 16384 --modes rbd,pft,padded:1.25 --stages pft,rbd --skews 0,1.0 --iters 10"
+
+case "${1:-layers}" in
+  layers)
+    CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 $LAYER --expert-nodes 2 --no-exchange \
+      --out "$R/layer_2nodes_x1.json" > "$R/layer_2nodes_x1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2,3 timeout 300 python3 scripts/compare_sharding.py --config configs/small.yaml \
+      --set mesh.expert=1 --set mesh.tensor=2 --tokens 16384 --model-layers 2 \
+      --out "$R/compare_sharding_2xh200.json" > "$R/compare_sharding_2xh200.log" 2>&1 &
+    wait
+    timeout 230 python3 $LAYER --expert-nodes 2 --out "$R/layer_2nodes_x2.json" > "$R/layer_2nodes_x2.log" 2>&1
+    for f in layer_2nodes_x1 compare_sharding_2xh200 layer_2nodes_x2; do
+      echo "== $f"; grep -v '^{' "$R/$f.log" | tail -22
+    done ;;
+  train)
+    for mode in padded:1.25 pft:null rbd:null; do
+      name=${mode%%:*}
+      timeout 170 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
+        --set train.batch_size=32 --set model.moe.dispatch="$name" --set model.moe.capacity_factor="${mode#*:}" \
+        --steps 24 --out "$R/train_2nodes_x2_$name.json" > "$R/train_2nodes_x2_$name.log" 2>&1
+      echo "== $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|tflops_per_device|final_loss|drop_rate)"|Error|error' \
+        "$R/train_2nodes_x2_$name.log" | tail -6
+    done ;;
+esac
+tar czf "$OUT/results_${1:-layers}.tgz" -C "$R" .
