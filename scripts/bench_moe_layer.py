@@ -44,15 +44,23 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err)[:300]}"
 
 
-def stage_cases(dispatches: str, mesh, num_tokens: int, skew: float, iters: int) -> list[dict]:
-    """Per-stage forward times of each listed dispatch (dropless) at one skew."""
+def shapes(args, dispatch: str, capacity_factor: float | None = None):
+    """Small shapes for `dispatch`, with the exchange options of the command line for pft / rbd."""
+    extra = {}
+    if dispatch in ("pft", "rbd"):
+        extra = {"transport": args.transport, "recv_buffer_factor": args.recv_buffer_factor}
+    return small_shapes(dispatch=dispatch, capacity_factor=capacity_factor, **extra)
+
+
+def stage_cases(args, mesh, num_tokens: int, skew: float) -> list[dict]:
+    """Per-stage forward times of each dispatch listed in --stages (dropless) at one skew."""
     out = []
-    for name in filter(None, dispatches.split(",")):
-        cfg, dim = small_shapes(dispatch=name)
+    for name in filter(None, args.stages.split(",")):
+        cfg, dim = shapes(args, name)
         params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
         try:
             out.append(
-                {"dispatch": name, "skew": skew, "stages": stage_times(cfg, mesh, params, x_TD, iters)}
+                {"dispatch": name, "skew": skew, "stages": stage_times(cfg, mesh, params, x_TD, args.iters)}
             )
         except Exception as err:  # record and go on, as for the layer cases
             out.append({"dispatch": name, "skew": skew, "error": _error(err)})
@@ -70,6 +78,10 @@ def main() -> None:
     p.add_argument("--expert-nodes", type=int, default=1, help="factor the expert axis into nodes x local")
     p.add_argument("--stages", default="", help="comma list of dispatches (pft, rbd) to time per stage")
     p.add_argument("--no-exchange", action="store_true", help="skip the exchange-alone comparison")
+    p.add_argument("--transport", default="auto", help="pft/rbd exchange: auto, ragged or emulated")
+    p.add_argument(
+        "--recv-buffer-factor", type=float, default=None, help="pft/rbd receive buffer (None: worst case)"
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -78,7 +90,7 @@ def main() -> None:
     num_tokens = args.tokens_per_device * jax.device_count()
     rows, stages, crossing = [], [], []
     for skew in (float(s) for s in args.skews.split(",")):
-        stages += stage_cases(args.stages, mesh, num_tokens, skew, args.iters)
+        stages += stage_cases(args, mesh, num_tokens, skew)
         if args.expert_nodes > 1:  # same routing for every dropless dispatch
             cfg, dim = small_shapes(dispatch="rbd")
             params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
@@ -86,7 +98,7 @@ def main() -> None:
             print(json.dumps(crossing[-1]), flush=True)
         for mode in args.modes.split(","):
             name, _, cf = mode.partition(":")
-            cfg, dim = small_shapes(dispatch=name, capacity_factor=float(cf) if cf else None)
+            cfg, dim = shapes(args, name, float(cf) if cf else None)
             try:
                 rows.append(moe_layer_case(cfg, dim, num_tokens, mesh, skew, iters=args.iters))
             except Exception as err:  # record and go on: one failing mode must not hide the rest
@@ -112,6 +124,8 @@ def main() -> None:
         **environment(),
         "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
         "tokens_per_device": args.tokens_per_device,
+        "transport": args.transport,
+        "recv_buffer_factor": args.recv_buffer_factor,
         "mesh": dict(mesh.shape),
         "cases": rows,
         "stages": stages,
@@ -124,7 +138,7 @@ def main() -> None:
             json.dump(result, f, indent=1)
     print(
         f"\n{'skew':>4} {'mode':<12} {'fwd ms':>8} {'f+b ms':>8} {'tok/s':>10} {'TFLOP/s':>8} "
-        f"{'temp GB':>8} {'drop':>6} {'a2a MB':>8}"
+        f"{'temp GB':>8} {'drop':>6} {'a2a MB':>8} {'ovfl':>6}"
     )
     for r in rows:
         mode = f"{r['dispatch']}:{r['capacity_factor']}"
@@ -137,7 +151,7 @@ def main() -> None:
         print(
             f"{r['skew']:>4} {mode:<12} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
             f"{r['useful_tflops_per_device']:>8.1f} {(r['temp_bytes'] or 0) / 1e9:>8.2f} {r['drop_rate']:>6.3f} "
-            f"{a2a:>8.1f}"
+            f"{a2a:>8.1f} {r.get('num_overflow', 0):>6}"
         )
     for st in stages:
         if "error" in st:

@@ -4,6 +4,8 @@
 #                                          #   GPUs 0,1 as 2 single-GPU nodes, alongside compare_sharding.py
 #                                          #   (TP=2) on GPUs 2,3; then all 4 GPUs as 2 nodes x 2
 #   bash scripts/gpu_bench_rbd.sh train    # short train runs on 2 nodes x 2 for padded, pft, rbd
+#   bash scripts/gpu_bench_rbd.sh exchange # 2 nodes x 2, uniform: pft/rbd under each transport and receive
+#                                          #   buffer, then pft/rbd training with the emulated transport
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results.tgz (JSON + logs) and a summary on stdout.
 # Needs grain/jax-triton wheels in .whl (README "Benchmarks").
@@ -40,6 +42,23 @@ case "${1:-layers}" in
         --steps 24 --out "$R/train_2nodes_x2_$name.json" > "$R/train_2nodes_x2_$name.log" 2>&1
       echo "== $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|tflops_per_device|final_loss|drop_rate)"|Error|error' \
         "$R/train_2nodes_x2_$name.log" | tail -6
+    done ;;
+  exchange)
+    for t in auto emulated; do for f in none 1.25; do
+      rbf=$([ $f = none ] || echo "--recv-buffer-factor $f")
+      timeout 110 python3 scripts/bench_moe_layer.py --tokens-per-device 16384 --modes rbd,pft --skews 0 \
+        --expert-nodes 2 --no-exchange --transport $t $rbf $([ $f = none ] && echo "--stages pft,rbd") \
+        --out "$R/layer_2nodes_x2_${t}_rbf$f.json" > "$R/layer_2nodes_x2_${t}_rbf$f.log" 2>&1
+      echo "== transport $t recv_buffer_factor $f"; grep -v '^{' "$R/layer_2nodes_x2_${t}_rbf$f.log" | tail -8
+    done; done
+    for name in pft rbd; do
+      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
+        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor=null \
+        --set model.moe.transport=emulated --steps 24 --out "$R/train_2nodes_x2_${name}_emulated.json" \
+        > "$R/train_2nodes_x2_${name}_emulated.log" 2>&1
+      echo "== $name emulated"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error' \
+        "$R/train_2nodes_x2_${name}_emulated.log" | tail -4
     done ;;
 esac
 tar czf "$OUT/results_${1:-layers}.tgz" -C "$R" .
