@@ -6,6 +6,8 @@
 #   bash scripts/gpu_bench_rbd.sh train    # short train runs on 2 nodes x 2 for padded, pft, rbd
 #   bash scripts/gpu_bench_rbd.sh exchange # 2 nodes x 2, uniform: pft/rbd under each transport and receive
 #                                          #   buffer, then pft/rbd training with the emulated transport
+#   bash scripts/gpu_bench_rbd.sh buffer   # recv_buffer_factor 1.25 (uniform): layer + stages on 2 nodes x 2
+#                                          #   and 2 nodes x 1, then pft/rbd training on 2 nodes x 2
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results.tgz (JSON + logs) and a summary on stdout.
 # Needs grain/jax-triton wheels in .whl (README "Benchmarks").
@@ -59,6 +61,23 @@ case "${1:-layers}" in
         > "$R/train_2nodes_x2_${name}_emulated.log" 2>&1
       echo "== $name emulated"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error' \
         "$R/train_2nodes_x2_${name}_emulated.log" | tail -4
+    done ;;
+  buffer)
+    for layout in x2 x1; do
+      gpus=$([ $layout = x2 ] && echo 0,1,2,3 || echo 0,1)
+      CUDA_VISIBLE_DEVICES=$gpus timeout 120 python3 scripts/bench_moe_layer.py --tokens-per-device 16384 \
+        --modes rbd,pft --skews 0 --expert-nodes 2 --no-exchange --recv-buffer-factor 1.25 --stages pft,rbd \
+        --out "$R/layer_2nodes_${layout}_rbf1.25.json" > "$R/layer_2nodes_${layout}_rbf1.25.log" 2>&1
+      echo "== 2 nodes $layout, recv_buffer_factor 1.25"; grep -v '^{' "$R/layer_2nodes_${layout}_rbf1.25.log" | tail -7
+    done
+    for name in pft rbd; do
+      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
+        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor=null \
+        --set model.moe.recv_buffer_factor=1.25 --steps 24 --out "$R/train_2nodes_x2_${name}_rbf1.25.json" \
+        > "$R/train_2nodes_x2_${name}_rbf1.25.log" 2>&1
+      echo "== $name rbf 1.25"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error|overflow' \
+        "$R/train_2nodes_x2_${name}_rbf1.25.log" | tail -4
     done ;;
 esac
 tar czf "$OUT/results_${1:-layers}.tgz" -C "$R" .

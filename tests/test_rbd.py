@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ import pytest
 
 from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig
 from xmoe_jax.moe import init_moe_params, moe_layer
+from xmoe_jax.moe.pft import recv_rows
+from xmoe_jax.moe.rbd import stage2_config
 from xmoe_jax.moe.rbd_cost import expected_distinct_nodes, predict, uniform_saving
 from xmoe_jax.sharding import make_mesh
 
@@ -100,6 +103,31 @@ def test_rbd_dropping_equals_pft(policy):
     _assert_same(got, want)
     assert int(got[0][1][1]["num_dropped"]) > 0
     assert int(got[0][1][1]["num_dropped"]) == int(want[0][1][1]["num_dropped"])
+
+
+def test_stage2_receive_buffer_keeps_the_pft_meaning():
+    """f sizes stage 2's buffer at f x (T*K), the average copies per device, not f x M1 x K2."""
+    cfg = MoEConfig(num_experts=16, top_k=6, expert_hidden=16, dispatch="rbd", recv_buffer_factor=1.25)
+    tokens, nodes, local = 1000, 2, 2
+    node_cfg = stage2_config(cfg, tokens, nodes)
+    assert (node_cfg.num_experts, node_cfg.top_k) == (8, 6)
+    assert abs(recv_rows(node_cfg, nodes * tokens, local) - math.ceil(1.25 * tokens * 6)) <= 1
+    worst = stage2_config(dataclasses.replace(cfg, recv_buffer_factor=None), tokens, nodes)
+    assert recv_rows(worst, nodes * tokens, local) == local * nodes * tokens * min(6, 8 // local)
+
+
+@pytest.mark.parametrize("factor, overflows", [(3.0, False), (0.25, True)])
+def test_rbd_receive_buffer_factor(factor, overflows):
+    """A big enough buffer is exact; a small one overflows and says so (never silently)."""
+    cfg = MoEConfig(num_experts=16, top_k=4, expert_hidden=16, dispatch="rbd", recv_buffer_factor=factor)
+    params, x = _inputs(cfg, skew=False)
+    got = _fn(cfg, MeshConfig(data=1, expert=8, expert_nodes=2))(params, x)
+    overflow = int(got[0][1][1]["num_overflow"])
+    assert (overflow > 0) == overflows
+    if not overflows:
+        _assert_same(
+            got, _fn(dataclasses.replace(cfg, dispatch="dense", recv_buffer_factor=None), None)(params, x)
+        )
 
 
 def test_rbd_without_mesh_and_single_node_match_dense():

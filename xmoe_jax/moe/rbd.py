@@ -40,6 +40,31 @@ from xmoe_jax.moe.stages import Stages, prefixed
 from xmoe_jax.pallas import combine, permute
 
 
+def stage2_config(cfg: MoEConfig, num_tokens: int, num_nodes: int) -> MoEConfig:
+    """The config stage 2 runs PFT with: the node's experts, pilots as tokens with K2 slots.
+
+    Stage 2 has M1 = N*T pilot rows of K2 slots, a static worst case far above the
+    copies that really arrive. `recv_buffer_factor` f keeps its meaning from pft: the
+    receive buffer holds f times the average copies per device, T*K (as a device would
+    receive under pft), not f times M1*K2.
+    """
+    per_node = cfg.num_experts // num_nodes
+    slots = min(cfg.top_k, per_node)
+    factor = cfg.recv_buffer_factor
+    if factor is not None:
+        factor = factor * num_tokens * cfg.top_k / (num_nodes * num_tokens * slots)
+    return dataclasses.replace(
+        cfg,
+        num_experts=per_node,
+        top_k=slots,
+        capacity_factor=None,
+        num_groups=1,
+        topk_groups=1,
+        score_func="softmax",
+        recv_buffer_factor=factor,
+    )
+
+
 def rbd_stages(
     x_TD: jax.Array,
     topk_idx_TK: jax.Array,
@@ -111,15 +136,7 @@ def rbd_stages(
     yield "stage1", (x_pil_MD, w_pil_MS, idx_pil_MS)
 
     # 3. stage 2: PFT inside the node, pilots as tokens; returns each pilot's in-node weighted sum
-    node_cfg = dataclasses.replace(
-        cfg,
-        num_experts=per_node,
-        top_k=slots,
-        capacity_factor=None,
-        num_groups=1,
-        topk_groups=1,
-        score_func="softmax",
-    )
+    node_cfg = stage2_config(cfg, num_tokens, num_nodes)
     gate_MS = jnp.where(keep_MS, w_pil_MS, 0.0)
     pos_MS = expert_positions(jnp.where(keep_MS, idx_pil_MS, per_node), gate_MS, per_node + 1, "position")
     y_pil_MD, stats2 = yield from prefixed(
