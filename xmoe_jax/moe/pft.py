@@ -18,6 +18,10 @@ Steps:
   5. received rows, ordered (source, local expert), are permuted into expert-major
      groups and the local experts run as grouped GEMMs over the group sizes;
   6. outputs go back by the reverse exchange and are combined with the routing weights.
+
+`pft_stages` yields at each step's end (send_buffer, exchange, experts, return) and
+returns (y_TD, stats): the layer runs it whole, the stage benchmark one prefix at a
+time (stages.py).
 """
 
 from __future__ import annotations

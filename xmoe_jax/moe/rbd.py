@@ -20,6 +20,9 @@ Combine: stage 1 in reverse carries that one partial sum per (token, node) back;
 the source adds its partial sums. The backward pass is the same dedup in reverse:
 every exchange's VJP is its reverse exchange (exchange.py).
 
+`rbd_stages` yields at each step's end (pilots, stage1, stage2/<pft stages>,
+stage2/combine, return) and returns (y_TD, stats) (stages.py).
+
 The released X-MoE RBD is wrong (buffer order disagreement between dispatch and
 combine, replica weights missing a permutation, several experts per device); here
 every row's destination is computed once and reused by both directions.
