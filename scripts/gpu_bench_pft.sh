@@ -4,14 +4,7 @@
 #   bash scripts/gpu_bench_pft.sh ep2    # 2 GPUs: MoE layer with EP=2 under two ragged all-to-all presets
 # Writes JSON and logs under ${OUT:-/tmp/out}. Needs grain/jax-triton wheels in .whl (see README).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 case "${1:-h100}" in
   h100)
     python3 scripts/bench_moe_layer.py --tokens-per-device 16384 --modes pft,padded:1.25,padded:1.0,dense \

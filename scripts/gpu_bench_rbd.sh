@@ -9,17 +9,11 @@
 #   bash scripts/gpu_bench_rbd.sh buffer   # recv_buffer_factor 1.25 (uniform): layer + stages on 2 nodes x 2
 #                                          #   and 2 nodes x 1, then pft/rbd training on 2 nodes x 2
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
-# Everything lands in ${OUT:-/tmp/out}/results.tgz (JSON + logs) and a summary on stdout.
+# Everything lands in ${OUT:-/tmp/out}/results_<part>.tgz (JSON + logs) and a summary on stdout.
 # Needs grain/jax-triton wheels in .whl (README "Benchmarks").
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/results; mkdir -p "$R"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
+R=/tmp/results; mkdir -p "$R"
 nvidia-smi topo -m > "$R/topo.txt" 2>&1
 LAYER="scripts/bench_moe_layer.py --tokens-per-device 16384 --modes rbd,pft,padded:1.25 --stages pft,rbd --skews 0,1.0 --iters 10"
 
