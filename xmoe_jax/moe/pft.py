@@ -7,7 +7,8 @@ D model, E experts, L local experts, M receive rows.
 Steps:
   1. the kept copies (after capacity) are placed expert-major into a flat [A, D]
      send buffer; row = start of its expert + its position in the expert's queue
-     (no sort beyond the one `capacity.expert_positions` already did);
+     (no sort beyond the one `capacity.expert_positions` already did), by the
+     permute kernel (xmoe_jax/pallas; XLA's reference on CPU);
   2. every device learns every device's per-expert counts (one small all-gather),
      so send sizes, receive sizes and all offsets are computed on device, identical
      everywhere, with no host synchronisation;
@@ -16,8 +17,9 @@ Steps:
      counted as `num_overflow`, and contribute zero: never silently;
   4. one ragged exchange moves exactly the routed rows (exchange.py);
   5. received rows, ordered (source, local expert), are permuted into expert-major
-     groups and the local experts run as grouped GEMMs over the group sizes;
-  6. outputs go back by the reverse exchange and are combined with the routing weights.
+     groups (permute kernel) and the local experts run as grouped GEMMs;
+  6. outputs are put back in arrival order, go back by the reverse exchange and are
+     combined with the routing weights (combine kernel, float32 accumulation).
 
 `pft_stages` yields at each step's end (send_buffer, exchange, experts, return) and
 returns (y_TD, stats): the layer runs it whole, the stage benchmark one prefix at a
@@ -35,6 +37,7 @@ from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
+from xmoe_jax.pallas import combine, permute
 
 
 def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:
@@ -88,11 +91,7 @@ def pft_stages(
 
     counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
     dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
-    x_send_AD = (
-        jnp.zeros((num_send, dim), x_TD.dtype)
-        .at[dest_TK.reshape(-1)]
-        .set(jnp.repeat(x_TD, top_k, axis=0), mode="drop")
-    )
+    x_send_AD = permute(x_TD, dest_TK, num_send)
     yield "send_buffer", (x_send_AD,)
 
     if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
@@ -115,10 +114,10 @@ def pft_stages(
         yield "exchange", (x_recv_MD,)
         cc_PL = cc_PQL[:, me, :]
         grouped_M = _grouped_index(cc_PL, num_recv)
-        x_grp_MD = jnp.zeros_like(x_recv_MD).at[grouped_M].set(x_recv_MD, mode="drop")
+        x_grp_MD = permute(x_recv_MD, grouped_M[:, None], num_recv)
         y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), cfg.activation)
         yield "experts", (y_grp_MD,)
-        y_recv_MD = y_grp_MD.at[grouped_M].get(mode="fill", fill_value=0)
+        y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((num_recv, 1), jnp.float32))
         y_send_AD = exchange(y_recv_MD, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk)
         yield "return", (y_send_AD,)
         sent_E = cc_PQL[me].reshape(num_e)  # rows of each expert that fit at their destination
@@ -130,7 +129,6 @@ def pft_stages(
             "wire_bytes": 2 * wire_bytes(plan, me, row_bytes, transport, max_chunk),
         }
 
-    y_TKD = y_send_AD.at[dest_TK].get(mode="fill", fill_value=0)
-    y_TD = jnp.einsum("tk,tkd->td", jnp.where(sent_TK, gate_TK, 0.0), y_TKD.astype(jnp.float32))
+    y_TD = combine(y_send_AD, dest_TK, jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32))
     stats["num_overflow"] = jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32)
     return y_TD.astype(x_TD.dtype), stats
