@@ -8,6 +8,8 @@
 #                                          #   buffer, then pft/rbd training with the emulated transport
 #   bash scripts/gpu_bench_rbd.sh buffer   # recv_buffer_factor 1.25 (uniform): layer + stages on 2 nodes x 2
 #                                          #   and 2 nodes x 1, then pft/rbd training on 2 nodes x 2
+#   bash scripts/gpu_bench_rbd.sh rerun    # after a dispatch change: 1 GPU (pft vs padded) beside 2 nodes x 1,
+#                                          #   then 2 nodes x 2 with recv_buffer_factor 1.25, then training
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results_<part>.tgz (JSON + logs) and a summary on stdout.
 # Needs grain/jax-triton wheels in .whl (README "Benchmarks").
@@ -72,6 +74,27 @@ case "${1:-layers}" in
         > "$R/train_2nodes_x2_${name}_rbf1.25.log" 2>&1
       echo "== $name rbf 1.25"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error|overflow' \
         "$R/train_2nodes_x2_${name}_rbf1.25.log" | tail -4
+    done ;;
+  rerun)
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 $LAYER --modes pft,padded:1.25 --stages pft \
+      --out "$R/layer_1gpu.json" > "$R/layer_1gpu.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 $LAYER --expert-nodes 2 --no-exchange \
+      --out "$R/layer_2nodes_x1.json" > "$R/layer_2nodes_x1.log" 2>&1 &
+    wait
+    timeout 150 python3 $LAYER --expert-nodes 2 --skews 0 --no-exchange --recv-buffer-factor 1.25 \
+      --out "$R/layer_2nodes_x2_rbf1.25.json" > "$R/layer_2nodes_x2_rbf1.25.log" 2>&1
+    for f in layer_1gpu layer_2nodes_x1 layer_2nodes_x2_rbf1.25; do
+      echo "== $f"; grep -v '^{' "$R/$f.log" | tail -14
+    done
+    for mode in padded:1.25 pft:null rbd:null; do
+      name=${mode%%:*}; rbf=$([ $name = padded ] && echo null || echo 1.25)
+      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
+        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor="${mode#*:}" \
+        --set model.moe.recv_buffer_factor=$rbf --steps 24 --out "$R/train_2nodes_x2_${name}.json" \
+        > "$R/train_2nodes_x2_${name}.log" 2>&1
+      echo "== train $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error' \
+        "$R/train_2nodes_x2_${name}.log" | tail -4
     done ;;
 esac
 tar czf "$OUT/results_${1:-layers}.tgz" -C "$R" .
