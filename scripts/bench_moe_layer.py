@@ -60,7 +60,11 @@ def stage_cases(args, mesh, num_tokens: int, skew: float) -> list[dict]:
         params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
         try:
             out.append(
-                {"dispatch": name, "skew": skew, "stages": stage_times(cfg, mesh, params, x_TD, args.iters)}
+                {
+                    "dispatch": name,
+                    "skew": skew,
+                    "stages": stage_times(cfg, mesh, params, x_TD, args.iters, args.stages_backward),
+                }
             )
         except Exception as err:  # record and go on, as for the layer cases
             out.append({"dispatch": name, "skew": skew, "error": _error(err)})
@@ -77,6 +81,7 @@ def main() -> None:
     p.add_argument("--skews", default="0,1.0")
     p.add_argument("--expert-nodes", type=int, default=1, help="factor the expert axis into nodes x local")
     p.add_argument("--stages", default="", help="comma list of dispatches (pft, rbd) to time per stage")
+    p.add_argument("--stages-backward", action="store_true", help="also time each stage's forward+backward")
     p.add_argument("--no-exchange", action="store_true", help="skip the exchange-alone comparison")
     p.add_argument("--transport", default="auto", help="pft/rbd exchange: auto, ragged or emulated")
     p.add_argument(
@@ -159,6 +164,9 @@ def main() -> None:
             continue
         parts = "  ".join(f"{r['stage']} {r['stage_ms']:.2f}" for r in st["stages"])
         print(f"stages {st['dispatch']} skew {st['skew']} (fwd ms): {parts}")
+        if "stage_fwd_bwd_ms" in st["stages"][0]:
+            parts = "  ".join(f"{r['stage']} {r['stage_fwd_bwd_ms']:.2f}" for r in st["stages"])
+            print(f"stages {st['dispatch']} skew {st['skew']} (fwd+bwd ms): {parts}")
     for c in crossing:
         saving = 1 - c["rbd_node_rows"] / max(c["pft_node_rows"], 1)
         print(

@@ -96,3 +96,17 @@ def test_stage_prefix_arrays(setup):
     node = np.asarray(route_idx) // 8
     assert total == sum(len(set(r)) for r in node)  # every (token, node) pair arrived once
     assert np.all(np.asarray(idx_pil)[valid] <= 8)  # node-local expert ids (8 = empty slot)
+
+
+def test_backward_layer_prefix_is_the_layer_gradient(setup):
+    """The fwd+bwd prefix of the whole layer differentiates exactly what moe_layer computes."""
+    mesh, cfg, params, x = setup
+    got = bench_stages.compiled_prefix(cfg, mesh, bench_stages.LAYER, True)(params, x)
+
+    def loss(p, x):
+        y, _ = moe_layer(p, x, cfg, mesh=mesh)
+        return jax.numpy.sum(jax.numpy.square(y))
+
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

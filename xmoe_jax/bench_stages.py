@@ -33,16 +33,18 @@ from xmoe_jax.sharding import axis_size
 ROUTE, LAYER = "route", "layer"
 
 
-@functools.lru_cache(maxsize=64)
-def compiled_prefix(cfg: MoEConfig, mesh, stop: str):
-    """`prefix_fn` kept per (cfg, mesh, stop), so skews and repeats reuse its compilation."""
-    return prefix_fn(cfg, mesh, stop)
+@functools.lru_cache(maxsize=128)
+def compiled_prefix(cfg: MoEConfig, mesh, stop: str, backward: bool = False):
+    """`prefix_fn` kept per (cfg, mesh, stop, backward), so skews and repeats reuse its compilation."""
+    return prefix_fn(cfg, mesh, stop, backward=backward)
 
 
-def prefix_fn(cfg: MoEConfig, mesh, stop: str, on_stage=None):
+def prefix_fn(cfg: MoEConfig, mesh, stop: str, on_stage=None, backward: bool = False):
     """jit f(params, x_TD) -> the arrays at the end of stage `stop` (ROUTE, a dispatch stage or LAYER).
 
-    Per-device arrays come back concatenated over the token axes (scalars as [1]).
+    Per-device arrays come back concatenated over the token axes (scalars as [1]). With
+    `backward`, f returns instead the gradients (params, x_TD) of sum(v**2) over the floating
+    outputs: the prefix's forward and backward passes.
     """
     stages_of = dispatch_stages(cfg, mesh, resolve_transport(cfg.transport))
     axes = token_axes(cfg)
@@ -66,7 +68,14 @@ def prefix_fn(cfg: MoEConfig, mesh, stop: str, on_stage=None):
             check_vma=False,  # Pallas outputs carry no varying-axes type (as in the layer)
         )(params["router"], params["experts"], x_TD)
 
-    return jax.jit(fn)
+    if not backward:
+        return jax.jit(fn)
+
+    def loss(params, x_TD):
+        outs = [v for v in fn(params, x_TD) if jnp.issubdtype(v.dtype, jnp.floating)]
+        return sum(jnp.sum(jnp.square(v.astype(jnp.float32))) for v in outs)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
 def stage_names(cfg: MoEConfig, mesh, params, x_TD) -> list[str]:
@@ -76,13 +85,19 @@ def stage_names(cfg: MoEConfig, mesh, params, x_TD) -> list[str]:
     return names
 
 
-def stage_times(cfg: MoEConfig, mesh, params, x_TD, iters: int = 10) -> list[dict]:
-    """[{stage, prefix_ms, stage_ms}] for ROUTE, each dispatch stage, and the rest of the layer."""
-    rows, last = [], 0.0
+def stage_times(cfg: MoEConfig, mesh, params, x_TD, iters: int = 10, backward: bool = False) -> list[dict]:
+    """[{stage, prefix_ms, stage_ms}] for ROUTE, each dispatch stage, and the rest of the layer.
+
+    With `backward`, also prefix_fwd_bwd_ms and stage_fwd_bwd_ms (forward plus backward).
+    """
+    rows = []
     for stop in (ROUTE, *stage_names(cfg, mesh, params, x_TD), LAYER):
-        t = 1e3 * time_fn(compiled_prefix(cfg, mesh, stop), params, x_TD, iters=iters)
-        rows.append({"stage": stop, "prefix_ms": t, "stage_ms": t - last})
-        last = t
+        row = {"stage": stop}
+        for key, bwd in (("", False), ("_fwd_bwd", True)) if backward else (("", False),):
+            t = 1e3 * time_fn(compiled_prefix(cfg, mesh, stop, bwd), params, x_TD, iters=iters)
+            row[f"prefix{key}_ms"] = t
+            row[f"stage{key}_ms"] = t - (rows[-1][f"prefix{key}_ms"] if rows else 0.0)
+        rows.append(row)
     return rows
 
 
