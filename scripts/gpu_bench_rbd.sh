@@ -10,8 +10,8 @@
 #                                          #   and 2 nodes x 1, then pft/rbd training on 2 nodes x 2
 #   bash scripts/gpu_bench_rbd.sh rerun    # after a dispatch change: 1 GPU (pft vs padded) beside 2 nodes x 1,
 #                                          #   then 2 nodes x 2 with recv_buffer_factor 1.25, then training
-#   bash scripts/gpu_bench_rbd.sh backward # forward+backward per stage, uniform: 2 nodes x 1 (worst-case
-#                                          #   buffer) beside 1 GPU, then 2 nodes x 2 (recv_buffer_factor 1.25)
+#   bash scripts/gpu_bench_rbd.sh backward # forward+backward per stage, uniform: 2 nodes x 2 (recv_buffer_factor
+#                                          #   1.25), then 2 nodes x 1 (worst-case buffer) beside 1 GPU
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results_<part>.tgz (JSON + logs) and a summary on stdout.
 # Needs grain/jax-triton wheels in .whl (README "Benchmarks").
@@ -99,16 +99,16 @@ case "${1:-layers}" in
         "$R/train_2nodes_x2_${name}.log" | tail -4
     done ;;
   backward)
-    B="scripts/bench_moe_layer.py --tokens-per-device 16384 --modes rbd --skews 0 --no-exchange --stages-backward"
-    CUDA_VISIBLE_DEVICES=0,1 timeout 170 python3 $B --stages pft,rbd --expert-nodes 2 \
+    B="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0 --no-exchange --stages-backward"
+    timeout 230 python3 $B --modes rbd --stages pft,rbd --expert-nodes 2 --recv-buffer-factor 1.25 \
+      --out "$R/stages_bwd_2nodes_x2_rbf1.25.json" > "$R/stages_bwd_2nodes_x2_rbf1.25.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 $B --modes rbd --stages pft,rbd --expert-nodes 2 \
       --out "$R/stages_bwd_2nodes_x1.json" > "$R/stages_bwd_2nodes_x1.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=2 timeout 170 python3 $B --modes pft --stages pft \
+    CUDA_VISIBLE_DEVICES=2 timeout 150 python3 $B --modes pft --stages pft \
       --out "$R/stages_bwd_1gpu.json" > "$R/stages_bwd_1gpu.log" 2>&1 &
     wait
-    timeout 150 python3 $B --stages pft,rbd --expert-nodes 2 --recv-buffer-factor 1.25 \
-      --out "$R/stages_bwd_2nodes_x2_rbf1.25.json" > "$R/stages_bwd_2nodes_x2_rbf1.25.log" 2>&1
-    for f in stages_bwd_1gpu stages_bwd_2nodes_x1 stages_bwd_2nodes_x2_rbf1.25; do
-      echo "== $f"; grep -E '^ *0.0 |^stages' "$R/$f.log"
+    for f in stages_bwd_2nodes_x2_rbf1.25 stages_bwd_2nodes_x1 stages_bwd_1gpu; do
+      echo "== $f"; grep -E '^ *0.0 |^stages|Error' "$R/$f.log"
     done ;;
 esac
 tar czf "$OUT/results_${1:-layers}.tgz" -C "$R" .
