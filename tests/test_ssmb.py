@@ -94,7 +94,7 @@ def _reference(cfg: MoEConfig = CFG):
 # ----------------------------------------------------------------------------- equivalence
 
 TP_CASES = [
-    # (layout (data, expert, tensor), MoEConfig overrides)
+    # (layout (data, expert, tensor[, expert_nodes]), MoEConfig overrides)
     ((2, 4, 1), {"ssmb": True}),  # TP=1: SSMB is a no-op
     ((2, 2, 2), {}),  # TP=2, tokens replicated over tensor
     ((2, 2, 2), {"ssmb": True}),
@@ -102,6 +102,10 @@ TP_CASES = [
     ((1, 2, 4), {"ssmb": True}),
     ((2, 1, 4), {"ssmb": True}),  # TP=4, no expert parallelism: 8 tokens per device
     ((1, 2, 4), {"expert_tensor_parallel": True}),  # expert-TP: F/4 per rank
+    # rbd, (data, expert, tensor, expert_nodes): any TP, with and without SSMB
+    ((1, 4, 2, 2), {"dispatch": "rbd", "ssmb": True}),  # 2 nodes x 2, TP=2
+    ((1, 2, 4, 2), {"dispatch": "rbd", "ssmb": True}),  # 2 single-device nodes, TP=4
+    ((2, 2, 2, 2), {"dispatch": "rbd"}),  # TP=2, tokens replicated over tensor
 ]
 
 
