@@ -1,11 +1,11 @@
-"""Per-stage forward times of a shard_map dispatch (pft, rbd), and its node-axis traffic.
+"""Per-stage times (forward, and forward+backward) of a shard_map dispatch (pft, rbd), and its node-axis traffic.
 
 Shapes: T tokens per device, K top-k, E experts, N nodes, G devices per node.
 
 The dispatches are written as named stages (moe/stages.py). For each stage this
 compiles the layer's forward up to that stage's end (a prefix: routing first, the
 whole layer last), times every prefix, and reports a stage's time as the difference
-of consecutive prefixes. Differences of medians can come out slightly negative for
+of consecutive prefixes; with `backward`, the same for each prefix's gradient. Differences of medians can come out slightly negative for
 stages far shorter than the run-to-run noise; they are reported as measured.
 
 `node_rows` counts, from the routing itself, the rows that cross the node axis:
