@@ -19,6 +19,16 @@ set -u
 source scripts/gpu_env.sh
 R=/tmp/results; mkdir -p "$R"
 nvidia-smi topo -m > "$R/topo.txt" 2>&1
+# train NAME LIMIT_S DISPATCH CAPACITY_FACTOR [--set ...]: a 24-step Small-shaped (2 layers) run on 2 nodes x 2
+train() {
+  local name=$1 limit=$2 dispatch=$3 cf=$4; shift 4
+  timeout "$limit" python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
+    --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
+    --set train.batch_size=32 --set model.moe.dispatch="$dispatch" --set model.moe.capacity_factor="$cf" "$@" \
+    --steps 24 --out "$R/$name.json" > "$R/$name.log" 2>&1
+  echo "== $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|tflops_per_device|final_loss)"|Error|overflow' \
+    "$R/$name.log" | tail -6
+}
 LAYER="scripts/bench_moe_layer.py --tokens-per-device 16384 --modes rbd,pft,padded:1.25 --stages pft,rbd --skews 0,1.0 --iters 10"
 
 case "${1:-layers}" in
@@ -35,13 +45,7 @@ case "${1:-layers}" in
     done ;;
   train)
     for mode in padded:1.25 pft:null rbd:null; do
-      name=${mode%%:*}
-      timeout 170 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
-        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
-        --set train.batch_size=32 --set model.moe.dispatch="$name" --set model.moe.capacity_factor="${mode#*:}" \
-        --steps 24 --out "$R/train_2nodes_x2_$name.json" > "$R/train_2nodes_x2_$name.log" 2>&1
-      echo "== $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|tflops_per_device|final_loss|drop_rate)"|Error|error' \
-        "$R/train_2nodes_x2_$name.log" | tail -6
+      train "train_2nodes_x2_${mode%%:*}" 170 "${mode%%:*}" "${mode#*:}"
     done ;;
   exchange)
     for t in auto emulated; do for f in none 1.25; do
@@ -52,13 +56,7 @@ case "${1:-layers}" in
       echo "== transport $t recv_buffer_factor $f"; grep -v '^{' "$R/layer_2nodes_x2_${t}_rbf$f.log" | tail -8
     done; done
     for name in pft rbd; do
-      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
-        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
-        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor=null \
-        --set model.moe.transport=emulated --steps 24 --out "$R/train_2nodes_x2_${name}_emulated.json" \
-        > "$R/train_2nodes_x2_${name}_emulated.log" 2>&1
-      echo "== $name emulated"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error' \
-        "$R/train_2nodes_x2_${name}_emulated.log" | tail -4
+      train "train_2nodes_x2_${name}_emulated" 100 $name null --set model.moe.transport=emulated
     done ;;
   buffer)
     for layout in x2 x1; do
@@ -69,13 +67,7 @@ case "${1:-layers}" in
       echo "== 2 nodes $layout, recv_buffer_factor 1.25"; grep -v '^{' "$R/layer_2nodes_${layout}_rbf1.25.log" | tail -7
     done
     for name in pft rbd; do
-      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
-        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
-        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor=null \
-        --set model.moe.recv_buffer_factor=1.25 --steps 24 --out "$R/train_2nodes_x2_${name}_rbf1.25.json" \
-        > "$R/train_2nodes_x2_${name}_rbf1.25.log" 2>&1
-      echo "== $name rbf 1.25"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error|overflow' \
-        "$R/train_2nodes_x2_${name}_rbf1.25.log" | tail -4
+      train "train_2nodes_x2_${name}_rbf1.25" 100 $name null --set model.moe.recv_buffer_factor=1.25
     done ;;
   rerun)
     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 $LAYER --modes pft,padded:1.25 --stages pft \
@@ -90,13 +82,7 @@ case "${1:-layers}" in
     done
     for mode in padded:1.25 pft:null rbd:null; do
       name=${mode%%:*}; rbf=$([ $name = padded ] && echo null || echo 1.25)
-      timeout 100 python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
-        --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
-        --set train.batch_size=32 --set model.moe.dispatch=$name --set model.moe.capacity_factor="${mode#*:}" \
-        --set model.moe.recv_buffer_factor=$rbf --steps 24 --out "$R/train_2nodes_x2_${name}.json" \
-        > "$R/train_2nodes_x2_${name}.log" 2>&1
-      echo "== train $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|final_loss)"|Error' \
-        "$R/train_2nodes_x2_${name}.log" | tail -4
+      train "train_2nodes_x2_$name" 100 $name "${mode#*:}" --set model.moe.recv_buffer_factor=$rbf
     done ;;
   backward)
     B="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0 --no-exchange --stages-backward"
