@@ -9,7 +9,7 @@ Small expert shapes (D=2048, F=1408, E=64, k=6, GELU), bf16, expert parallelism 
 all local devices (factored into --expert-nodes nodes). Prints time, tokens/s, useful
 TFLOP/s, temporary (activation) memory from the compiled program, collective bytes
 from its HLO and the exchange wire bytes, for uniform and skewed routing; with
---stages, each listed dispatch's forward per stage (xmoe_jax/bench_stages.py); with
+--stages, each listed dispatch's forward per stage (xmoe_jax/perf/stages.py); with
 several nodes, the rows crossing the node axis under PFT and under RBD for the same
 routing; then the exchange alone against a dense all_to_all of the same rows; the
 same-run dense matmul ceiling; ratios last.
@@ -27,16 +27,16 @@ apply_defaults()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from xmoe_jax.bench_moe import (  # noqa: E402
+from xmoe_jax.config import MeshConfig, ParallelConfig  # noqa: E402
+from xmoe_jax.perf.moe_bench import (  # noqa: E402
     exchange_case,
     make_inputs,
     moe_layer_case,
     place_inputs,
     small_shapes,
 )
-from xmoe_jax.bench_stages import node_rows, stage_times  # noqa: E402
-from xmoe_jax.benchmarking import dense_matmul_tflops, environment  # noqa: E402
-from xmoe_jax.config import MeshConfig  # noqa: E402
+from xmoe_jax.perf.stages import node_rows, stage_times  # noqa: E402
+from xmoe_jax.perf.timing import dense_matmul_tflops, environment  # noqa: E402
 from xmoe_jax.sharding import make_mesh  # noqa: E402
 
 
@@ -45,25 +45,26 @@ def _error(err: Exception) -> str:
 
 
 def shapes(args, dispatch: str, capacity_factor: float | None = None):
-    """Small shapes for `dispatch`, with the exchange options of the command line for pft / rbd."""
+    """Small shapes and the placement for `dispatch` (the command line's exchange options for pft / rbd)."""
     extra = {}
     if dispatch in ("pft", "rbd"):
         extra = {"transport": args.transport, "recv_buffer_factor": args.recv_buffer_factor}
-    return small_shapes(dispatch=dispatch, capacity_factor=capacity_factor, **extra)
+    cfg, dim = small_shapes(capacity_factor=capacity_factor)
+    return cfg, ParallelConfig(dispatch=dispatch, **extra), dim
 
 
 def stage_cases(args, mesh, num_tokens: int, skew: float) -> list[dict]:
     """Per-stage forward times of each dispatch listed in --stages (dropless) at one skew."""
     out = []
     for name in filter(None, args.stages.split(",")):
-        cfg, dim = shapes(args, name)
-        params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
+        cfg, par, dim = shapes(args, name)
+        params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), par, mesh)
         try:
             out.append(
                 {
                     "dispatch": name,
                     "skew": skew,
-                    "stages": stage_times(cfg, mesh, params, x_TD, args.iters, args.stages_backward),
+                    "stages": stage_times(cfg, par, mesh, params, x_TD, args.iters, args.stages_backward),
                 }
             )
         except Exception as err:  # record and go on, as for the layer cases
@@ -97,15 +98,15 @@ def main() -> None:
     for skew in (float(s) for s in args.skews.split(",")):
         stages += stage_cases(args, mesh, num_tokens, skew)
         if args.expert_nodes > 1:  # same routing for every dropless dispatch
-            cfg, dim = small_shapes(dispatch="rbd")
-            params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), cfg, mesh)
-            crossing.append({"skew": skew, "tokens": num_tokens, **node_rows(cfg, mesh, params, x_TD)})
+            cfg, par, dim = shapes(args, "rbd")
+            params, x_TD = place_inputs(*make_inputs(cfg, dim, num_tokens, skew, jnp.bfloat16), par, mesh)
+            crossing.append({"skew": skew, "tokens": num_tokens, **node_rows(cfg, par, mesh, params, x_TD)})
             print(json.dumps(crossing[-1]), flush=True)
         for mode in args.modes.split(","):
             name, _, cf = mode.partition(":")
-            cfg, dim = shapes(args, name, float(cf) if cf else None)
+            cfg, par, dim = shapes(args, name, float(cf) if cf else None)
             try:
-                rows.append(moe_layer_case(cfg, dim, num_tokens, mesh, skew, iters=args.iters))
+                rows.append(moe_layer_case(cfg, par, dim, num_tokens, mesh, skew, iters=args.iters))
             except Exception as err:  # record and go on: one failing mode must not hide the rest
                 rows.append(
                     {

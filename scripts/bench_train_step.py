@@ -15,9 +15,13 @@ import argparse
 import json
 import tempfile
 
-from xmoe_jax.benchmarking import dense_matmul_tflops, environment
-from xmoe_jax.config import load_config
-from xmoe_jax.train.loop import train
+from xmoe_jax.xla_flags import apply_defaults
+
+apply_defaults()  # before JAX starts its backend
+
+from xmoe_jax.config import load_config  # noqa: E402
+from xmoe_jax.perf.timing import dense_matmul_tflops, environment  # noqa: E402
+from xmoe_jax.train.loop import train  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +49,7 @@ def main() -> None:
         **environment(),
         "config": args.config,
         "overrides": args.overrides,
-        "dispatch": cfg.model.moe.dispatch if cfg.model.moe else None,
+        "dispatch": cfg.parallel.dispatch if cfg.model.moe else None,
         "capacity_factor": cfg.model.moe.capacity_factor if cfg.model.moe else None,
         "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
         "steps": args.steps,

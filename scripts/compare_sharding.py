@@ -8,7 +8,7 @@
         --set mesh.tensor=2 --tokens 16384 --model-layers 2 --out cmp_h200.json
 
 For the config's MoE layer (model.hidden, model.moe) and mesh (mesh.*), compiles every
-variant (xmoe_jax/compare.py: pft+ssmb, pft, pft+etp, pft-auto, padded-auto) as one
+variant (xmoe_jax/perf/compare.py: pft+ssmb, pft, pft+etp, pft-auto, padded-auto) as one
 layer's forward+backward, optionally also a whole model with --model-layers N, and prints
 one JSON line per row, then the compact table last. --out writes the rows and the
 environment as JSON.
@@ -27,10 +27,10 @@ apply_defaults()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from xmoe_jax import compare  # noqa: E402
-from xmoe_jax.benchmarking import environment  # noqa: E402
 from xmoe_jax.config import load_config  # noqa: E402
-from xmoe_jax.sharding import make_mesh  # noqa: E402
+from xmoe_jax.perf import compare  # noqa: E402
+from xmoe_jax.perf.timing import environment  # noqa: E402
+from xmoe_jax.sharding import make_mesh, mesh_shape  # noqa: E402
 
 
 def main() -> None:
@@ -59,10 +59,7 @@ def main() -> None:
     mesh = make_mesh(cfg.mesh)
     model_cfg, batch, seq_len = None, None, None
     if args.model_layers:  # sequences of train.seq_len, halved until the batch splits over data x expert
-        seq_len, shards = (
-            min(cfg.train.seq_len, num_tokens),
-            mesh.shape["data"] * mesh.shape["expert_node"] * mesh.shape["expert"],
-        )
+        seq_len, shards = min(cfg.train.seq_len, num_tokens), mesh_shape(mesh).batch_shards
         while (num_tokens // seq_len) % shards and seq_len > 1:
             seq_len //= 2
         batch = num_tokens // seq_len
@@ -82,6 +79,7 @@ def main() -> None:
         seq_len=seq_len,
         sequence_parallel=args.sequence_parallel,
         on_row=lambda row: print(json.dumps(compare.jsonable(row)), flush=True),
+        parallel=cfg.parallel,
     )
     setup = {
         "config": args.config,

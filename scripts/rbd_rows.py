@@ -2,7 +2,7 @@
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/rbd_rows.py --out rows.json
 
-1. The cost model (xmoe_jax/moe/rbd_cost.py) for the paper's Large and Super configs (E=256, k=8,
+1. The cost model (xmoe_jax/perf/rbd_cost.py) for the paper's Large and Super configs (E=256, k=8,
    8 GPUs per node) at EP 16..256, uniform routing: rows per token with and without RBD, saving.
 2. On the local devices (fake CPU devices work), a Small-shaped MoE layer (E=64, k=6) with
    expert parallelism over all devices factored into nodes of 2 and of 4: the pilot rows and
@@ -18,11 +18,11 @@ import json
 import jax
 import numpy as np
 
-from xmoe_jax.bench_moe import make_inputs
-from xmoe_jax.benchmarking import environment
-from xmoe_jax.config import MeshConfig, MoEConfig
+from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import moe_layer
-from xmoe_jax.moe.rbd_cost import expected_distinct_nodes, uniform_saving
+from xmoe_jax.perf.moe_bench import make_inputs
+from xmoe_jax.perf.rbd_cost import expected_distinct_nodes, uniform_saving
+from xmoe_jax.perf.timing import environment
 from xmoe_jax.sharding import make_mesh
 
 
@@ -46,20 +46,21 @@ def cost_table() -> list[dict]:
 
 def measured(tokens_per_device: int, skews: list[float], nodes_list: list[int]) -> list[dict]:
     devices = jax.device_count()
+    par = ParallelConfig(dispatch="rbd")
     rows = []
     for nodes in nodes_list:
         for skew in skews:
-            cfg = MoEConfig(num_experts=64, top_k=6, expert_hidden=64, activation="gelu", dispatch="rbd")
+            cfg = MoEConfig(num_experts=64, top_k=6, expert_hidden=64, activation="gelu")
             params, x = make_inputs(cfg, 64, tokens_per_device * devices, skew, jax.numpy.float32)
             mesh = make_mesh(MeshConfig(data=1, expert=devices, expert_nodes=nodes))
-            _, aux = jax.jit(lambda p, x, m=mesh, c=cfg: moe_layer(p, x, c, mesh=m))(params, x)
+            _, stats = jax.jit(lambda p, x, m=mesh, c=cfg: moe_layer(p, x, c, par, mesh=m))(params, x)
             # what pft would send across nodes for the same routing: copies whose expert is off-node
             logits = np.asarray(x @ params["router"]["kernel"])
             idx = np.argsort(-logits, axis=-1)[:, :6]
             node_of_expert = idx // (64 // nodes)
             src_node = (np.arange(idx.shape[0]) // tokens_per_device) // (devices // nodes)
             pft_inter = int((node_of_expert != src_node[:, None]).sum())
-            rbd_inter = int(np.asarray(aux["inter_node_rows"]).sum())
+            rbd_inter = int(np.asarray(stats.inter_node_rows).sum())
             rows.append(
                 {
                     "nodes": nodes,
@@ -68,7 +69,7 @@ def measured(tokens_per_device: int, skews: list[float], nodes_list: list[int]) 
                     "tokens": int(idx.shape[0]),
                     "pft_inter_node_rows": pft_inter,
                     "rbd_inter_node_rows": rbd_inter,
-                    "rbd_pilot_rows": int(np.asarray(aux["pilot_rows"]).sum()),
+                    "rbd_pilot_rows": int(np.asarray(stats.pilot_rows).sum()),
                     "saving": round(1 - rbd_inter / max(pft_inter, 1), 4),
                 }
             )

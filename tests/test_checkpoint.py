@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from xmoe_jax.config import CheckpointConfig, Config, ModelConfig, MoEConfig, to_dict
+from xmoe_jax.config import CheckpointConfig, Config, ModelConfig, MoEConfig, ParallelConfig, to_dict
 from xmoe_jax.train.checkpoint import Checkpointer, CheckpointError, check_compatible
 
 
@@ -221,9 +221,13 @@ def test_config_round_trip_and_compatibility(tmp_path):
     msg = str(e.value)
     assert "model.hidden=64" in msg and "model.hidden=128" in msg and "train.run_dir" in msg
 
-    bad_moe = dataclasses.replace(cfg, model=ModelConfig(moe=MoEConfig(top_k=4)))
-    with pytest.raises(CheckpointError, match=r"model\.moe\.top_k=2.*model\.moe\.top_k=4"):
+    # only changes that alter the parameters are refused: the expert count does, top_k does not
+    bad_moe = dataclasses.replace(cfg, model=ModelConfig(moe=MoEConfig(num_experts=16)))
+    with pytest.raises(CheckpointError, match=r"model\.moe\.num_experts=8.*model\.moe\.num_experts=16"):
         check_compatible(saved, bad_moe)
+    check_compatible(saved, dataclasses.replace(cfg, model=ModelConfig(moe=MoEConfig(top_k=4))))
+    # placement is not the model: any dispatch mode resumes
+    check_compatible(saved, dataclasses.replace(cfg, parallel=ParallelConfig(dispatch="rbd", ssmb=True)))
 
     with pytest.raises(CheckpointError, match="model"):
         check_compatible({"train": {}}, cfg)

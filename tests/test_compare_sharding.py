@@ -1,4 +1,4 @@
-"""scripts/compare_sharding.py and xmoe_jax.compare on 8 fake CPU devices (compile-time columns).
+"""scripts/compare_sharding.py and xmoe_jax.perf.compare on 8 fake CPU devices (compile-time columns).
 
 Tiny shapes (T=128 tokens, D=16, E=8, top-2) on a (data 2, expert 2, tensor 2) mesh; each
 variant compiles once.
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from xmoe_jax import compare
 from xmoe_jax.config import MeshConfig, MoEConfig
+from xmoe_jax.perf import compare
 from xmoe_jax.sharding import make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CFG = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, dispatch="pft", capacity_factor=1.25)
+CFG = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, capacity_factor=1.25)
 
 
 @functools.cache
@@ -68,7 +68,7 @@ def test_script_prints_the_table_last_and_writes_json(tmp_path, monkeypatch, cap
     argv = [
         "compare_sharding.py",
         "--config", str(ROOT / "configs" / "tiny.yaml"),
-        "--set", "mesh.expert=2", "--set", "mesh.tensor=2", "--set", "model.moe.dispatch=pft",
+        "--set", "mesh.expert=2", "--set", "mesh.tensor=2", "--set", "parallel.dispatch=pft",
         "--tokens", "128", "--variants", "pft+ssmb,padded-auto", "--model-layers", "1",
         "--out", str(out),
     ]  # fmt: skip

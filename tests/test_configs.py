@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.config import ConfigError, MeshShape, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -122,13 +122,60 @@ def test_malformed_override() -> None:
 
 def test_mesh_size_must_match_device_count() -> None:
     cfg = load_config(TINY, ["mesh.data=2", "mesh.expert=2"])
-    assert cfg.validate_for_devices(4) == {"data": 2, "expert_node": 1, "expert": 2, "tensor": 1}
+    assert cfg.validate_for_devices(4) == MeshShape(data=2, expert_nodes=1, expert_per_node=2, tensor=1)
     with pytest.raises(ConfigError, match=r"mesh size data\*expert\*tensor = 2\*2\*1 = 4 != 8 devices"):
         cfg.validate_for_devices(8)
 
 
 def test_mesh_fill_resolves_data_axis() -> None:
     cfg = load_config(TINY, ["mesh.expert=2"])
-    assert cfg.validate_for_devices(8) == {"data": 4, "expert_node": 1, "expert": 2, "tensor": 1}
+    assert cfg.validate_for_devices(8) == MeshShape(data=4, expert_nodes=1, expert_per_node=2, tensor=1)
     with pytest.raises(ConfigError, match=r"mesh\.expert \* mesh\.tensor = 2 does not divide the 3 devices"):
         cfg.validate_for_devices(3)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("model.moe.dispatch=pft", "parallel.dispatch"),
+        ("model.moe.recv_buffer_factor=1.25", "parallel.recv_buffer_factor"),
+        ("model.moe.ssmb=true", "parallel.ssmb"),
+        ("model.sequence_parallel=true", "parallel.sequence_parallel"),
+    ],
+)
+def test_placement_keys_moved_to_parallel_name_the_new_key(old: str, new: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} moved to {new}"):
+        load_config(TINY, [old])
+    key, value = old.split("=")
+    cfg = load_config(TINY, [f"{new}={value}"])
+    assert str(getattr(cfg.parallel, new.split(".")[1])).lower() == value
+
+
+def test_choice_fields_are_checked_by_their_literal_type(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"parallel\.dispatch='nope' is not one of \['dense', 'padded', 'pft', 'rbd'\]"
+    ):
+        load_config(TINY, ["parallel.dispatch=nope"])
+    with pytest.raises(ConfigError, match=r"moe\.activation='relu' is not one of"):
+        load_config(TINY, ["model.moe.activation=relu"])
+    from xmoe_jax.config import MoEConfig
+
+    with pytest.raises(ConfigError, match=r"moe\.score_func='x' is not one of"):
+        MoEConfig(score_func="x")
+
+
+def test_old_checkpoint_config_dicts_migrate() -> None:
+    from xmoe_jax.config import Config, from_dict, migrate_dict, to_dict
+
+    old = to_dict(Config())
+    old["model"]["moe"]["dispatch"] = "rbd"
+    old["model"]["moe"]["recv_buffer_factor"] = 1.5
+    old["model"]["sequence_parallel"] = True
+    del old["parallel"]
+    cfg = from_dict(migrate_dict(old))
+    assert (cfg.parallel.dispatch, cfg.parallel.recv_buffer_factor, cfg.parallel.sequence_parallel) == (
+        "rbd",
+        1.5,
+        True,
+    )
+    assert "dispatch" in old["model"]["moe"]  # the input is left as it was

@@ -15,10 +15,11 @@ from flax import nnx
 from reference import attention_ref, rel_err
 
 from xmoe_jax import count_params
-from xmoe_jax.config import MeshConfig, ModelConfig, load_config
+from xmoe_jax.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from xmoe_jax.model import apply, init_params, model_spec
 from xmoe_jax.model.layers import Attention
 from xmoe_jax.sharding import PARAM_RULES, logical_to_spec, make_mesh
+from xmoe_jax.train.step import stack_layers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 FULL_SIZE = ["small", "medium", "large", "super", "deepseek_moe_16b"]
@@ -94,7 +95,7 @@ def _mesh():
 
 @functools.cache
 def _spec(dispatch: str):
-    return model_spec(_tiny(dispatch=dispatch))
+    return model_spec(_tiny(), ParallelConfig(dispatch=dispatch))
 
 
 @functools.cache
@@ -106,8 +107,15 @@ def _init(with_mesh: bool):
 @functools.cache
 def _apply_fn(dispatch: str, with_mesh: bool):
     spec = _spec(dispatch)
-    mesh = _mesh() if with_mesh else None
-    return jax.jit(lambda p, b, t: apply(spec, p, b, t, mesh))
+    fn = jax.jit(lambda p, b, t: (lambda logits, stats: (logits, stack_layers(stats)))(*apply(spec, p, b, t)))
+    if not with_mesh:
+        return fn
+
+    def on_mesh(*args):
+        with jax.set_mesh(_mesh()):
+            return fn(*args)
+
+    return on_mesh
 
 
 def _tokens(seed: int = 0) -> jax.Array:
@@ -127,8 +135,8 @@ def test_tiny_logits_same_on_mesh(dispatch: str) -> None:
     logits, aux = _apply_fn(dispatch, True)(params_m, bias_m, tokens)
     assert logits.shape == (B, S, spec.cfg.vocab_size) and logits.dtype == jnp.float32
     assert rel_err(logits, logits_ref) < 1e-5
-    np.testing.assert_array_equal(aux["tokens_per_expert"], aux_ref["tokens_per_expert"])
-    assert aux["tokens_per_expert"].shape == (spec.cfg.num_moe_layers, spec.cfg.moe.num_experts)
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert)
+    assert aux.tokens_per_expert.shape == (spec.cfg.num_moe_layers, spec.cfg.moe.num_experts)
 
 
 def test_causality() -> None:

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from reference import keep_ref, moe_ref, rel_err, route_ref
 
-from xmoe_jax.config import MeshConfig, MoEConfig
+from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.sharding import make_mesh
 
 T, D, F = 64, 16, 32
 TOL = 1e-5
+DENSE, PADDED = ParallelConfig(dispatch="dense"), ParallelConfig(dispatch="padded")
 
 
 def _x(seed: int = 0) -> jax.Array:
@@ -50,18 +51,18 @@ def _mesh(data: int, expert: int, tensor: int = 1):
 
 
 @functools.cache
-def _forward(cfg: MoEConfig, mesh_shape: tuple | None = None):
+def _forward(cfg: MoEConfig, par: ParallelConfig = DENSE, mesh_shape: tuple | None = None):
     mesh = None if mesh_shape is None else _mesh(*mesh_shape)
-    return jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+    return jax.jit(lambda p, x: moe_layer(p, x, cfg, par, mesh=mesh))
 
 
 @functools.cache
-def _value_and_grad(cfg: MoEConfig, mesh_shape: tuple | None = None):
+def _value_and_grad(cfg: MoEConfig, par: ParallelConfig = DENSE, mesh_shape: tuple | None = None):
     mesh = None if mesh_shape is None else _mesh(*mesh_shape)
 
     def loss(p, x, proj):
-        y, aux = moe_layer(p, x, cfg, mesh=mesh)
-        return jnp.sum(y * proj) + aux["aux_loss"] + 0.1 * aux["z_loss"], (y, aux)
+        y, aux = moe_layer(p, x, cfg, par, mesh=mesh)
+        return jnp.sum(y * proj) + aux.aux_loss + 0.1 * aux.z_loss, (y, aux)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -108,9 +109,9 @@ def test_dense_matches_loop_reference(name: str) -> None:
     want, idx = moe_ref(jax.device_get(params), np.asarray(x), cfg)
     assert rel_err(y, want) < TOL
     np.testing.assert_array_equal(
-        aux["tokens_per_expert"], np.bincount(idx.reshape(-1), minlength=cfg.num_experts)
+        aux.tokens_per_expert, np.bincount(idx.reshape(-1), minlength=cfg.num_experts)
     )
-    assert int(aux["num_dropped"]) == 0 and float(aux["drop_rate"]) == 0.0
+    assert int(aux.num_dropped) == 0 and float(aux.drop_rate) == 0.0
 
 
 def test_dense_with_capacity_matches_loop_reference_with_drops() -> None:
@@ -121,7 +122,7 @@ def test_dense_with_capacity_matches_loop_reference_with_drops() -> None:
     keep = keep_ref(idx, wts, cfg.num_experts, cfg.capacity(T), "probs")
     want, _ = moe_ref(jax.device_get(params), np.asarray(x), cfg, keep_TK=keep)
     assert rel_err(y, want) < TOL
-    assert int(aux["num_dropped"]) == int((~keep).sum()) > 0
+    assert int(aux.num_dropped) == int((~keep).sum()) > 0
 
 
 # ----------------------------------------------------------------------------- padded vs dense
@@ -150,14 +151,10 @@ def test_padded_equals_dense_values_and_grads(cfg: MoEConfig, cf, policy: str) -
     cfg = dataclasses.replace(cfg, capacity_factor=cf, drop_policy=policy)
     params, x = _params(cfg, skew=True), _skewed_x()
     proj = jax.random.normal(jax.random.key(7), (T, D))
-    (loss_d, (y_d, aux_d)), grads_d = _value_and_grad(dataclasses.replace(cfg, dispatch="dense"))(
-        params, x, proj
-    )
-    (loss_p, (y_p, aux_p)), grads_p = _value_and_grad(dataclasses.replace(cfg, dispatch="padded"))(
-        params, x, proj
-    )
+    (loss_d, (y_d, aux_d)), grads_d = _value_and_grad(cfg, DENSE)(params, x, proj)
+    (loss_p, (y_p, aux_p)), grads_p = _value_and_grad(cfg, PADDED)(params, x, proj)
 
-    counts = np.asarray(aux_d["tokens_per_expert"])
+    counts = np.asarray(aux_d.tokens_per_expert)
     assert counts.max() >= 2 * T * cfg.top_k / cfg.num_experts and counts.min() == 0, counts  # skewed
     assert rel_err(y_p, y_d) < TOL
     # the loss is a sum with cancellation: compare against the size of its terms
@@ -166,10 +163,10 @@ def test_padded_equals_dense_values_and_grads(cfg: MoEConfig, cf, policy: str) -
     assert rel_err(grads_p[0]["router"]["kernel"], grads_d[0]["router"]["kernel"]) < TOL
     assert _rel_tree(grads_p[0]["experts"], grads_d[0]["experts"]) < TOL
     for key in ("tokens_per_expert", "num_dropped", "drop_rate"):
-        np.testing.assert_array_equal(aux_p[key], aux_d[key])
+        np.testing.assert_array_equal(getattr(aux_p, key), getattr(aux_d, key))
 
     expected_dropped = 0 if cf is None else int(np.maximum(counts - cfg.capacity(T), 0).sum())
-    assert int(aux_p["num_dropped"]) == expected_dropped
+    assert int(aux_p.num_dropped) == expected_dropped
     assert (expected_dropped > 0) == (cf is not None)
     # experts that received no token get exactly zero gradient
     empty = counts == 0
@@ -178,13 +175,13 @@ def test_padded_equals_dense_values_and_grads(cfg: MoEConfig, cf, policy: str) -
 
 
 def test_aux_contents() -> None:
-    cfg = dataclasses.replace(BASE, capacity_factor=0.5, dispatch="padded")
+    cfg = dataclasses.replace(BASE, capacity_factor=0.5)
     params, x = _params(cfg, skew=True), _skewed_x()
-    _, aux = _forward(cfg)(params, x)
-    assert int(aux["tokens_per_expert"].sum()) == T * cfg.top_k
-    np.testing.assert_allclose(float(aux["drop_rate"]), int(aux["num_dropped"]) / (T * cfg.top_k), rtol=1e-7)
-    assert 0 < float(aux["drop_rate"]) < 1
-    assert aux["aux_loss"].shape == () and aux["z_loss"].shape == ()
+    _, aux = _forward(cfg, PADDED)(params, x)
+    assert int(aux.tokens_per_expert.sum()) == T * cfg.top_k
+    np.testing.assert_allclose(float(aux.drop_rate), int(aux.num_dropped) / (T * cfg.top_k), rtol=1e-7)
+    assert 0 < float(aux.drop_rate) < 1
+    assert aux.aux_loss.shape == () and aux.z_loss.shape == ()
 
 
 # ----------------------------------------------------------------------------- meshes
@@ -204,14 +201,13 @@ MESH_CASES = [
 ]
 
 
-def _mesh_cfg(num_experts: int, dispatch: str, cf) -> MoEConfig:
+def _mesh_cfg(num_experts: int, cf) -> MoEConfig:
     return MoEConfig(
         num_experts=num_experts,
         top_k=2,
         expert_hidden=F,
         num_shared_experts=1,
         shared_expert_gate=True,
-        dispatch=dispatch,
         capacity_factor=cf,
     )
 
@@ -222,26 +218,26 @@ def _mesh_cfg(num_experts: int, dispatch: str, cf) -> MoEConfig:
     ids=[f"E{e}-{m}-{d}-cf{c}" for e, m, d, c in MESH_CASES],
 )
 def test_mesh_equals_no_mesh(num_experts: int, mesh_shape: tuple, dispatch: str, cf) -> None:
-    cfg = _mesh_cfg(num_experts, dispatch, cf)
+    cfg, par = _mesh_cfg(num_experts, cf), ParallelConfig(dispatch=dispatch)
     params, x = _params(cfg, skew=True), _skewed_x()
-    y_ref, aux_ref = _forward(cfg)(params, x)
-    y, aux = _forward(cfg, mesh_shape)(params, x)
+    y_ref, aux_ref = _forward(cfg, par)(params, x)
+    y, aux = _forward(cfg, par, mesh_shape)(params, x)
     assert rel_err(y, y_ref) < TOL
     for key in ("tokens_per_expert", "num_dropped"):
-        np.testing.assert_array_equal(aux[key], aux_ref[key])
-    np.testing.assert_allclose(float(aux["aux_loss"]), float(aux_ref["aux_loss"]), rtol=TOL)
+        np.testing.assert_array_equal(getattr(aux, key), getattr(aux_ref, key))
+    np.testing.assert_allclose(float(aux.aux_loss), float(aux_ref.aux_loss), rtol=TOL)
     if cf is not None and cf < 1.0:
-        assert int(aux["num_dropped"]) > 0
+        assert int(aux.num_dropped) > 0
     # the output is laid out over the token axes of the mesh
     assert y.sharding.spec[0] is not None
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4, 1), (2, 2, 2)])
 def test_mesh_gradients_equal_no_mesh(mesh_shape: tuple) -> None:
-    cfg = _mesh_cfg(8, "padded", 1.0)
+    cfg = _mesh_cfg(8, 1.0)
     params, x = _params(cfg, skew=True), _skewed_x()
     proj = jax.random.normal(jax.random.key(7), (T, D))
-    (_, (y_ref, _)), g_ref = _value_and_grad(cfg)(params, x, proj)
-    (_, (y, _)), g = _value_and_grad(cfg, mesh_shape)(params, x, proj)
+    (_, (y_ref, _)), g_ref = _value_and_grad(cfg, PADDED)(params, x, proj)
+    (_, (y, _)), g = _value_and_grad(cfg, PADDED, mesh_shape)(params, x, proj)
     assert rel_err(y, y_ref) < TOL
     assert _rel_tree(g, g_ref) < TOL

@@ -184,11 +184,11 @@ def test_mesh_that_does_not_fit_the_devices_fails_on_every_process(tmp_path):
 def test_rbd_node_axis_across_processes_matches_single_process(tmp_path):
     """RBD with the node axis across 2 processes x 4 devices (2 nodes of 4) trains exactly like
     one process running the dense oracle: stage 1 crosses processes over gloo."""
-    moe = ["model.moe.dispatch=rbd", "checkpoint.enabled=false", "train.steps=3"]
+    moe = ["parallel.dispatch=rbd", "checkpoint.enabled=false", "train.steps=3"]
     ref_cfg = load_config(
         TINY,
         [f"train.run_dir={tmp_path / 'ref'}", *COMMON, "train.steps=3", "checkpoint.enabled=false"]
-        + ["mesh.data=1", "mesh.expert=8", "model.moe.dispatch=dense"],
+        + ["mesh.data=1", "mesh.expert=8", "parallel.dispatch=dense"],
     )
     reference = train(ref_cfg).losses
     run = tmp_path / "rbd"

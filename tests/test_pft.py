@@ -5,7 +5,7 @@ gate = weight * mask, where mask says which routed copies pft is expected to kee
 derived independently in NumPy (`_simulate`): capacity per source shard (`keep_ref` on each of
 the data*expert contiguous token shards, in the order PartitionSpec(("data", "expert")) shards
 dim 0), then each destination device accepts rows in (source, local expert) order, each expert's
-copies in queue order, up to M = pft.recv_rows(cfg, T_local, P) rows.
+copies in queue order, up to M = pft.recv_rows(E, K, T_local, P, C, factor) rows.
 
 T=64 tokens, D=16, F=16, float32. Compiled functions are cached per (config, mesh layout), and
 the skew / property tests reuse the functions of the equivalence tests.
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import keep_ref, moe_ref, rel_err
 
-from xmoe_jax.config import MeshConfig, MoEConfig
+from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer, router
 from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.experts import shared_experts
@@ -35,9 +35,7 @@ T, D, F = 64, 16, 16
 TOL = 1e-5
 
 # swiglu, softmax top-k, gated shared expert
-CFG_A = MoEConfig(
-    num_experts=8, top_k=2, expert_hidden=F, num_shared_experts=1, shared_expert_gate=True, dispatch="pft"
-)
+CFG_A = MoEConfig(num_experts=8, top_k=2, expert_hidden=F, num_shared_experts=1, shared_expert_gate=True)
 # gelu, DeepSeek-V3 sigmoid with groups and scaling, no shared expert
 CFG_B = MoEConfig(
     num_experts=16,
@@ -48,9 +46,9 @@ CFG_B = MoEConfig(
     num_groups=4,
     topk_groups=2,
     routed_scaling_factor=2.5,
-    dispatch="pft",
 )
 CFGS = {"A": CFG_A, "B": CFG_B}
+PFT = ParallelConfig(dispatch="pft")
 
 
 def _offsets(num_experts: int, kind: str) -> np.ndarray:
@@ -84,7 +82,7 @@ def _proj() -> jax.Array:
 
 
 def _oracle_cfg(cfg: MoEConfig) -> MoEConfig:
-    return dataclasses.replace(cfg, dispatch="dense", capacity_factor=None, recv_buffer_factor=None)
+    return dataclasses.replace(cfg, capacity_factor=None)
 
 
 @functools.cache
@@ -94,12 +92,12 @@ def _mesh(layout: tuple):
 
 
 @functools.cache
-def _pft_fn(cfg: MoEConfig, layout: tuple | None):
+def _pft_fn(cfg: MoEConfig, par: ParallelConfig, layout: tuple | None):
     mesh = None if layout is None else _mesh(layout)
 
     def loss(p, x, proj):
-        y, aux = moe_layer(p, x, cfg, mesh=mesh)
-        return jnp.sum(y * proj) + aux["aux_loss"] + 0.1 * aux["z_loss"], (y, aux)
+        y, aux = moe_layer(p, x, cfg, par, mesh=mesh)
+        return jnp.sum(y * proj) + aux.aux_loss + 0.1 * aux.z_loss, (y, aux)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -144,7 +142,7 @@ def _priority(idx_TK, wts_TK, policy: str) -> list[tuple[int, int]]:
     return copies
 
 
-def _simulate(idx_TK, wts_TK, cfg: MoEConfig, layout: tuple | None):
+def _simulate(idx_TK, wts_TK, cfg: MoEConfig, par: ParallelConfig, layout: tuple | None):
     """(keep_TK, sent_TK, recv_rows per device in (data, expert) order) for pft on `layout`."""
     data, peers = (1, 1) if layout is None else layout[:2]
     num_shards, num_e = data * peers, cfg.num_experts
@@ -155,7 +153,7 @@ def _simulate(idx_TK, wts_TK, cfg: MoEConfig, layout: tuple | None):
     sent = keep.copy()
     if peers == 1:
         return keep, sent, np.array([keep[s].sum() for s in shards])
-    room_per_dest = recv_rows(cfg, t_loc, peers)
+    room_per_dest = recv_rows(cfg.num_experts, cfg.top_k, t_loc, peers, cap, par.recv_buffer_factor)
     recv = np.zeros(num_shards, np.int64)
     queues = [_priority(idx_TK[s], wts_TK[s], cfg.drop_policy) for s in shards]
     for g in range(data):
@@ -176,14 +174,16 @@ def _simulate(idx_TK, wts_TK, cfg: MoEConfig, layout: tuple | None):
 # ----------------------------------------------------------------------------- the comparison
 
 
-def _check(cfg: MoEConfig, layout: tuple | None, params: dict, x: jax.Array) -> dict:
+def _check(
+    cfg: MoEConfig, layout: tuple | None, params: dict, x: jax.Array, par: ParallelConfig = PFT
+) -> dict:
     """pft on `layout` == dense oracle (values, grads incl. aux losses, load statistics)."""
     proj = _proj()
     idx, wts = (np.asarray(a) for a in _route_fn(_oracle_cfg(cfg))(params, x))
-    keep, sent, recv = _simulate(idx, wts, cfg, layout)
+    keep, sent, recv = _simulate(idx, wts, cfg, par, layout)
     mask = jnp.asarray(keep & sent, jnp.float32)
 
-    (_, (y, aux)), (g_p, g_x) = _pft_fn(cfg, layout)(params, x, proj)
+    (_, (y, aux)), (g_p, g_x) = _pft_fn(cfg, par, layout)(params, x, proj)
     (_, (y_o, aux_loss_o, z_o)), (go_p, go_x) = _oracle_fn(_oracle_cfg(cfg))(params, x, proj, mask)
 
     assert rel_err(y, y_o) < TOL
@@ -194,20 +194,20 @@ def _check(cfg: MoEConfig, layout: tuple | None, params: dict, x: jax.Array) -> 
         assert rel_err(leaf, want) < TOL, jax.tree_util.keystr(path)
 
     num_e, top_k = cfg.num_experts, cfg.top_k
-    np.testing.assert_array_equal(aux["tokens_per_expert"], np.bincount(idx.reshape(-1), minlength=num_e))
-    assert int(aux["num_dropped"]) == int((~keep).sum())
-    np.testing.assert_allclose(float(aux["drop_rate"]), (~keep).sum() / (T * top_k), rtol=1e-6)
-    assert int(aux["num_overflow"]) == int((keep & ~sent).sum())
-    np.testing.assert_array_equal(np.asarray(aux["recv_rows"]).reshape(-1), recv)
-    np.testing.assert_allclose(float(aux["aux_loss"]), float(aux_loss_o), rtol=TOL)
-    np.testing.assert_allclose(float(aux["z_loss"]), float(z_o), rtol=TOL)
-    if cfg.recv_buffer_factor is None:
-        assert int(aux["num_overflow"]) == 0
+    np.testing.assert_array_equal(aux.tokens_per_expert, np.bincount(idx.reshape(-1), minlength=num_e))
+    assert int(aux.num_dropped) == int((~keep).sum())
+    np.testing.assert_allclose(float(aux.drop_rate), (~keep).sum() / (T * top_k), rtol=1e-6)
+    assert int(aux.num_overflow) == int((keep & ~sent).sum())
+    np.testing.assert_array_equal(np.asarray(aux.recv_rows).reshape(-1), recv)
+    np.testing.assert_allclose(float(aux.aux_loss), float(aux_loss_o), rtol=TOL)
+    np.testing.assert_allclose(float(aux.z_loss), float(z_o), rtol=TOL)
+    if par.recv_buffer_factor is None:
+        assert int(aux.num_overflow) == 0
     # the emulated transport pads every peer chunk to T_local * min(K, L) rows, both directions
     data, peers = (1, 1) if layout is None else layout[:2]
     t_loc, local_e = T // (data * peers), num_e // peers
     want_bytes = 2 * (peers - 1) * t_loc * min(top_k, local_e) * D * 4
-    np.testing.assert_array_equal(np.asarray(aux["wire_bytes"]).reshape(-1), want_bytes)
+    np.testing.assert_array_equal(np.asarray(aux.wire_bytes).reshape(-1), want_bytes)
     return {"aux": aux, "grads": g_p, "keep": keep, "sent": sent, "idx": idx, "wts": wts}
 
 
@@ -231,8 +231,8 @@ def test_dropless_equals_dense(name: str, layout) -> None:
     cfg = CFGS[name]
     out = _check(cfg, layout, _params(cfg), _x())
     aux = out["aux"]
-    assert int(aux["num_dropped"]) == 0
-    assert int(np.asarray(aux["recv_rows"]).sum()) == T * cfg.top_k
+    assert int(aux.num_dropped) == 0
+    assert int(np.asarray(aux.recv_rows).sum()) == T * cfg.top_k
 
 
 def test_oracle_matches_loop_reference() -> None:
@@ -250,12 +250,12 @@ def test_aux_equals_dense_layer_without_mesh() -> None:
     params, x = _params(cfg, _offsets(8, "moderate")), _x(shift=1.0)
     _, aux_d = jax.jit(lambda p, v: moe_layer(p, v, _oracle_cfg(cfg)))(params, x)
     for layout in ((2, 4, 1), None):
-        (_, (_, aux)), _ = _pft_fn(cfg, layout)(params, x, _proj())
-        np.testing.assert_array_equal(aux["tokens_per_expert"], aux_d["tokens_per_expert"])
-        np.testing.assert_allclose(float(aux["aux_loss"]), float(aux_d["aux_loss"]), rtol=TOL)
-        np.testing.assert_allclose(float(aux["z_loss"]), float(aux_d["z_loss"]), rtol=TOL)
-        assert int(np.asarray(aux["recv_rows"]).sum()) == T * cfg.top_k
-        assert int(aux["num_dropped"]) == int(aux["num_overflow"]) == 0
+        (_, (_, aux)), _ = _pft_fn(cfg, PFT, layout)(params, x, _proj())
+        np.testing.assert_array_equal(aux.tokens_per_expert, aux_d.tokens_per_expert)
+        np.testing.assert_allclose(float(aux.aux_loss), float(aux_d.aux_loss), rtol=TOL)
+        np.testing.assert_allclose(float(aux.z_loss), float(aux_d.z_loss), rtol=TOL)
+        assert int(np.asarray(aux.recv_rows).sum()) == T * cfg.top_k
+        assert int(aux.num_dropped) == int(aux.num_overflow) == 0
 
 
 # ----------------------------------------------------------------------------- skew: empty experts, idle devices
@@ -268,9 +268,9 @@ def test_skewed_routing_empty_experts_and_idle_devices(name: str) -> None:
     params, x = _params(cfg, _offsets(cfg.num_experts, "strong")), _x(shift=1.0)
     out = _check(cfg, layout, params, x)
     hot = cfg.num_experts // 4  # the experts of expert-rank 0
-    counts = np.asarray(out["aux"]["tokens_per_expert"])
+    counts = np.asarray(out["aux"].tokens_per_expert)
     assert counts[:hot].sum() == T * cfg.top_k and counts[hot:].sum() == 0, counts
-    recv_GQ = np.asarray(out["aux"]["recv_rows"]).reshape(2, 4)
+    recv_GQ = np.asarray(out["aux"].recv_rows).reshape(2, 4)
     np.testing.assert_array_equal(recv_GQ[:, 1:], 0)  # expert ranks 1-3 receive nothing
     np.testing.assert_array_equal(recv_GQ[:, 0], T // 2 * cfg.top_k)
     for key, w in out["grads"]["experts"].items():
@@ -297,7 +297,7 @@ def test_dropping_equals_dense_with_per_shard_keep_mask(name: str, cf: float, po
     cfg = dataclasses.replace(CFGS[name], capacity_factor=cf, drop_policy=policy)
     params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
     out = _check(cfg, layout, params, x)
-    assert int(out["aux"]["num_dropped"]) == int((~out["keep"]).sum()) > 0
+    assert int(out["aux"].num_dropped) == int((~out["keep"]).sum()) > 0
     # capacity is per source shard: here a whole-batch keep mask would keep other copies
     if layout is not None and layout[0] * layout[1] > 1:
         global_keep = keep_ref(out["idx"], out["wts"], cfg.num_experts, cfg.capacity(T), policy)
@@ -317,28 +317,29 @@ OVERFLOW_CASES = [
 )
 def test_receive_buffer_overflow_is_counted_and_zeroed(name: str, factor: float, skew: str, layout) -> None:
     policy = "probs" if name == "A" else "position"
-    cfg = dataclasses.replace(CFGS[name], recv_buffer_factor=factor, drop_policy=policy)
+    cfg = dataclasses.replace(CFGS[name], drop_policy=policy)
+    par = ParallelConfig(dispatch="pft", recv_buffer_factor=factor)
     params, x = _params(cfg, _offsets(cfg.num_experts, skew)), _x(shift=1.0)
-    out = _check(cfg, layout, params, x)
+    out = _check(cfg, layout, params, x, par)
     aux = out["aux"]
     t_loc = T // (layout[0] * layout[1])
-    m_rows = recv_rows(cfg, t_loc, layout[1])
+    m_rows = recv_rows(cfg.num_experts, cfg.top_k, t_loc, layout[1], factor=factor)
     assert m_rows < t_loc * cfg.top_k * layout[1]  # smaller than the worst case
-    assert int(aux["num_overflow"]) > 0 and int(aux["num_dropped"]) == 0
-    assert int(np.asarray(aux["recv_rows"]).max()) == m_rows
-    assert int(np.asarray(aux["recv_rows"]).sum()) + int(aux["num_overflow"]) == T * cfg.top_k
+    assert int(aux.num_overflow) > 0 and int(aux.num_dropped) == 0
+    assert int(np.asarray(aux.recv_rows).max()) == m_rows
+    assert int(np.asarray(aux.recv_rows).sum()) + int(aux.num_overflow) == T * cfg.top_k
     # the same input with the default worst-case buffer: nothing overflows
     out_default = _check(CFGS[name], layout, params, x) if (name, layout) in DROPLESS_CASES else None
     if out_default is not None:
-        assert int(out_default["aux"]["num_overflow"]) == 0
+        assert int(out_default["aux"].num_overflow) == 0
 
 
 # ----------------------------------------------------------------------------- property test
 
 PROPERTY_VARIANTS = [
-    CFG_A,
-    dataclasses.replace(CFG_A, capacity_factor=0.5),
-    dataclasses.replace(CFG_A, recv_buffer_factor=0.25),
+    (CFG_A, PFT),
+    (dataclasses.replace(CFG_A, capacity_factor=0.5), PFT),
+    (CFG_A, ParallelConfig(dispatch="pft", recv_buffer_factor=0.25)),
 ]
 
 
@@ -349,6 +350,6 @@ PROPERTY_VARIANTS = [
     x_seed=st.integers(0, 2**16),
 )
 def test_random_skew_pft_equals_dense(variant: int, offsets: list, x_seed: int) -> None:
-    cfg = PROPERTY_VARIANTS[variant]
+    cfg, par = PROPERTY_VARIANTS[variant]
     params, x = _params(cfg, np.asarray(offsets, np.float32)), _x(x_seed, shift=1.0)
-    _check(cfg, (2, 4, 1), params, x)
+    _check(cfg, (2, 4, 1), params, x, par)

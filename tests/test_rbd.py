@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -14,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig
+from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer
-from xmoe_jax.moe.pft import recv_rows
-from xmoe_jax.moe.rbd import stage2_config
-from xmoe_jax.moe.rbd_cost import expected_distinct_nodes, predict, uniform_saving
+from xmoe_jax.moe.rbd import stage2_spec
+from xmoe_jax.perf.rbd_cost import expected_distinct_nodes, predict, uniform_saving
 from xmoe_jax.sharding import make_mesh
 
 DIM, TOKENS = 16, 64
@@ -32,14 +30,17 @@ def _inputs(cfg: MoEConfig, skew: bool = True):
     return params, x
 
 
+RBD, PFT, DENSE = (ParallelConfig(dispatch=d) for d in ("rbd", "pft", "dense"))
+
+
 @functools.cache
-def _fn(cfg: MoEConfig, mesh_cfg: MeshConfig | None):
+def _fn(cfg: MoEConfig, par: ParallelConfig, mesh_cfg: MeshConfig | None):
     mesh = make_mesh(mesh_cfg) if mesh_cfg is not None else None
     proj = jnp.sin(jnp.arange(DIM, dtype=jnp.float32))
 
     def objective(params, x):
-        y, aux = moe_layer(params, x, cfg, mesh=mesh)
-        return jnp.sum(y * proj) + aux["aux_loss"], (y, aux)
+        y, aux = moe_layer(params, x, cfg, par, mesh=mesh)
+        return jnp.sum(y * proj) + aux.aux_loss, (y, aux)
 
     return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
 
@@ -67,22 +68,22 @@ LAYOUTS = [  # (num_experts, top_k, data, expert, expert_nodes): nodes of 2 and 
 
 @pytest.mark.parametrize("num_experts, top_k, data, expert, nodes", LAYOUTS)
 def test_rbd_dropless_equals_dense(num_experts, top_k, data, expert, nodes):
-    cfg = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=16, dispatch="rbd")
+    cfg = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=16)
     mesh_cfg = MeshConfig(data=data, expert=expert, expert_nodes=nodes)
     params, x = _inputs(cfg)
-    got = _fn(cfg, mesh_cfg)(params, x)
-    _assert_same(got, _fn(dataclasses.replace(cfg, dispatch="dense"), None)(params, x))
+    got = _fn(cfg, RBD, mesh_cfg)(params, x)
+    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
     aux = got[0][1][1]
-    assert int(aux["num_overflow"]) == 0
+    assert int(aux.num_overflow) == 0
     # exactly one pilot row per distinct (token, destination node), per source device
     idx = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ params["router"]["kernel"]), top_k)[1])
     node = idx // (num_experts // nodes)
     shards = node.reshape(data * expert, -1, top_k)
     want = [sum(len(set(row)) for row in shard) for shard in shards]
-    assert np.asarray(aux["pilot_rows"]).tolist() == want
+    assert np.asarray(aux.pilot_rows).tolist() == want
     own = np.repeat(np.arange(nodes), expert // nodes)[None, :].repeat(data, 0).reshape(-1)
     inter = [sum(len(set(row) - {own[d]}) for row in shards[d]) for d in range(len(shards))]
-    assert np.asarray(aux["inter_node_rows"]).tolist() == inter
+    assert np.asarray(aux.inter_node_rows).tolist() == inter
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -92,50 +93,47 @@ def test_rbd_dropping_equals_pft(policy):
         num_experts=8,
         top_k=2,
         expert_hidden=16,
-        dispatch="rbd",
         capacity_factor=0.75,
         drop_policy=policy,
         score_func="sigmoid",
     )
     params, x = _inputs(cfg)
-    got = _fn(cfg, MeshConfig(data=2, expert=4, expert_nodes=2))(params, x)
-    want = _fn(dataclasses.replace(cfg, dispatch="pft"), MeshConfig(data=2, expert=4))(params, x)
+    got = _fn(cfg, RBD, MeshConfig(data=2, expert=4, expert_nodes=2))(params, x)
+    want = _fn(cfg, PFT, MeshConfig(data=2, expert=4))(params, x)
     _assert_same(got, want)
-    assert int(got[0][1][1]["num_dropped"]) > 0
-    assert int(got[0][1][1]["num_dropped"]) == int(want[0][1][1]["num_dropped"])
+    assert int(got[0][1][1].num_dropped) > 0
+    assert int(got[0][1][1].num_dropped) == int(want[0][1][1].num_dropped)
 
 
 def test_stage2_receive_buffer_keeps_the_pft_meaning():
     """f sizes stage 2's buffer at f x (T*K), the average copies per device, not f x M1 x K2."""
-    cfg = MoEConfig(num_experts=16, top_k=6, expert_hidden=16, dispatch="rbd", recv_buffer_factor=1.25)
     tokens, nodes, local = 1000, 2, 2
-    node_cfg = stage2_config(cfg, tokens, nodes)
-    assert (node_cfg.num_experts, node_cfg.top_k) == (8, 6)
-    assert abs(recv_rows(node_cfg, nodes * tokens, local) - math.ceil(1.25 * tokens * 6)) <= 1
-    worst = stage2_config(dataclasses.replace(cfg, recv_buffer_factor=None), tokens, nodes)
-    assert recv_rows(worst, nodes * tokens, local) == local * nodes * tokens * min(6, 8 // local)
+    spec = stage2_spec(16, 6, "swiglu", tokens, nodes, local, recv_buffer_factor=1.25)
+    assert (spec.num_experts, spec.slots) == (8, 6)
+    assert abs(spec.recv_rows - math.ceil(1.25 * tokens * 6)) <= 1
+    worst = stage2_spec(16, 6, "swiglu", tokens, nodes, local, recv_buffer_factor=None)
+    assert worst.recv_rows == local * nodes * tokens * min(6, 8 // local)
 
 
 @pytest.mark.parametrize("factor, overflows", [(3.0, False), (0.25, True)])
 def test_rbd_receive_buffer_factor(factor, overflows):
     """A big enough buffer is exact; a small one overflows and says so (never silently)."""
-    cfg = MoEConfig(num_experts=16, top_k=4, expert_hidden=16, dispatch="rbd", recv_buffer_factor=factor)
+    cfg = MoEConfig(num_experts=16, top_k=4, expert_hidden=16)
+    par = ParallelConfig(dispatch="rbd", recv_buffer_factor=factor)
     params, x = _inputs(cfg, skew=False)
-    got = _fn(cfg, MeshConfig(data=1, expert=8, expert_nodes=2))(params, x)
-    overflow = int(got[0][1][1]["num_overflow"])
+    got = _fn(cfg, par, MeshConfig(data=1, expert=8, expert_nodes=2))(params, x)
+    overflow = int(got[0][1][1].num_overflow)
     assert (overflow > 0) == overflows
     if not overflows:
-        _assert_same(
-            got, _fn(dataclasses.replace(cfg, dispatch="dense", recv_buffer_factor=None), None)(params, x)
-        )
+        _assert_same(got, _fn(cfg, DENSE, None)(params, x))
 
 
 def test_rbd_without_mesh_and_single_node_match_dense():
-    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, dispatch="rbd", num_shared_experts=1)
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1)
     params, x = _inputs(cfg, skew=False)
-    want = _fn(dataclasses.replace(cfg, dispatch="dense"), None)(params, x)
-    _assert_same(_fn(cfg, None)(params, x), want)
-    _assert_same(_fn(cfg, MeshConfig(data=2, expert=4, expert_nodes=1))(params, x), want)
+    want = _fn(cfg, DENSE, None)(params, x)
+    _assert_same(_fn(cfg, RBD, None)(params, x), want)
+    _assert_same(_fn(cfg, RBD, MeshConfig(data=2, expert=4, expert_nodes=1))(params, x), want)
 
 
 def test_expert_nodes_must_divide_expert():

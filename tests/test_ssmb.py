@@ -20,20 +20,20 @@ import numpy as np
 import pytest
 from reference import keep_ref, rel_err
 
-from xmoe_jax.config import Config, ConfigError, MeshConfig, ModelConfig, MoEConfig
+from xmoe_jax.config import Config, ConfigError, MeshConfig, MeshShape, ModelConfig, MoEConfig, ParallelConfig
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.moe import init_moe_params, moe_layer, router
-from xmoe_jax.moe import memory_model as mm
 from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.experts import shared_experts
+from xmoe_jax.perf import memory_model as mm
 from xmoe_jax.sharding import make_mesh
+from xmoe_jax.train.step import stack_layers
 
 T, D, F, S = 64, 16, 16, 16  # S: tokens per sequence (sequence-wise aux loss)
 TOL = 1e-5
 
-CFG = MoEConfig(
-    num_experts=8, top_k=2, expert_hidden=F, num_shared_experts=1, shared_expert_gate=True, dispatch="pft"
-)
+CFG = MoEConfig(num_experts=8, top_k=2, expert_hidden=F, num_shared_experts=1, shared_expert_gate=True)
+PFT, DENSE = ParallelConfig(dispatch="pft"), ParallelConfig(dispatch="dense")
 TP1 = (2, 4, 1)  # (data, expert, tensor): the reference layout
 
 
@@ -55,18 +55,18 @@ def _proj() -> jax.Array:
 
 
 @functools.cache
-def _layer_fn(cfg: MoEConfig, layout: tuple | None):
+def _layer_fn(cfg: MoEConfig, par: ParallelConfig, layout: tuple | None):
     mesh = None if layout is None else _mesh(layout)
 
     def loss(p, x, proj):
-        y, aux = moe_layer(p, x, cfg, mesh=mesh, seq_len=S)
-        return jnp.sum(y * proj) + aux["aux_loss"] + 0.1 * aux["z_loss"], (y, aux)
+        y, aux = moe_layer(p, x, cfg, par, mesh=mesh, seq_len=S)
+        return jnp.sum(y * proj) + aux.aux_loss + 0.1 * aux.z_loss, (y, aux)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def _run(cfg: MoEConfig, layout):
-    (_, (y, aux)), (g_p, g_x) = _layer_fn(cfg, layout)(_params(cfg), _x(), _proj())
+def _run(cfg: MoEConfig, par: ParallelConfig, layout):
+    (_, (y, aux)), (g_p, g_x) = _layer_fn(cfg, par, layout)(_params(cfg), _x(), _proj())
     return y, aux, g_p, g_x
 
 
@@ -79,22 +79,21 @@ def _assert_same(got, want, totals=("tokens_per_expert", "num_dropped", "aux_los
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_p), jax.tree.leaves(g_p_w), strict=True):
         assert rel_err(a, b) < TOL, jax.tree_util.keystr(path)
     for key in totals:
-        np.testing.assert_allclose(np.asarray(aux[key]), np.asarray(aux_w[key]), rtol=TOL)
+        np.testing.assert_allclose(np.asarray(getattr(aux, key)), np.asarray(getattr(aux_w, key)), rtol=TOL)
 
 
 @functools.cache
 def _reference(cfg: MoEConfig = CFG):
     """pft on the TP=1 mesh, checked once against the dense layer without a mesh."""
-    ref = _run(cfg, TP1)
-    dense = dataclasses.replace(cfg, dispatch="dense")
-    _assert_same(ref, _run(dense, None))
+    ref = _run(cfg, PFT, TP1)
+    _assert_same(ref, _run(cfg, DENSE, None))
     return ref
 
 
 # ----------------------------------------------------------------------------- equivalence
 
 TP_CASES = [
-    # (layout (data, expert, tensor[, expert_nodes]), MoEConfig overrides)
+    # (layout (data, expert, tensor[, expert_nodes]), ParallelConfig overrides of pft)
     ((2, 4, 1), {"ssmb": True}),  # TP=1: SSMB is a no-op
     ((2, 2, 2), {}),  # TP=2, tokens replicated over tensor
     ((2, 2, 2), {"ssmb": True}),
@@ -111,11 +110,10 @@ TP_CASES = [
 
 @pytest.mark.parametrize("layout, over", TP_CASES, ids=[f"{m}-{'-'.join(o) or 'rep'}" for m, o in TP_CASES])
 def test_tensor_parallel_layer_equals_tp1(layout, over) -> None:
-    cfg = dataclasses.replace(CFG, **over)
-    y, aux, g_p, g_x = got = _run(cfg, layout)
+    y, aux, g_p, g_x = got = _run(CFG, dataclasses.replace(PFT, **over), layout)
     _assert_same(got, _reference())
     # per-device received rows: one entry per token shard (tensor ranks are shards only under SSMB)
-    recv = np.asarray(aux["recv_rows"])
+    recv = np.asarray(aux.recv_rows)
     assert recv.sum() == T * CFG.top_k
     assert recv.size == layout[0] * layout[1] * (layout[2] if over.get("ssmb") else 1)
     spec0 = y.sharding.spec[0] if y.sharding.spec else None
@@ -126,14 +124,14 @@ def test_tensor_parallel_layer_equals_tp1(layout, over) -> None:
 def test_ssmb_sequence_loss_with_sequences_cut_across_tensor_ranks() -> None:
     """(2,1,4): a 16-token sequence spans 2 tensor ranks; the sequence-wise loss stays exact."""
     cfg = dataclasses.replace(CFG, aux_loss_type="sequence")
-    want = _run(dataclasses.replace(cfg, dispatch="dense"), None)
-    _assert_same(_run(dataclasses.replace(cfg, ssmb=True), (2, 1, 4)), want)
+    want = _run(cfg, DENSE, None)
+    _assert_same(_run(cfg, dataclasses.replace(PFT, ssmb=True), (2, 1, 4)), want)
 
 
 def test_auto_sharded_paths_equal_tp1() -> None:
     """pft without shard_map (auto_shard) and padded, both with the SSMB token annotation."""
     for over in ({"auto_shard": True, "ssmb": True}, {"dispatch": "padded", "ssmb": True}):
-        got = _run(dataclasses.replace(CFG, **over), (2, 2, 2))
+        got = _run(CFG, dataclasses.replace(PFT, **over), (2, 2, 2))
         _assert_same(got, _reference())
         spec0 = got[0].sharding.spec[0]
         assert "tensor" in spec0, spec0
@@ -141,10 +139,10 @@ def test_auto_sharded_paths_equal_tp1() -> None:
 
 def test_ssmb_dropping_keeps_capacity_per_token_shard() -> None:
     """With capacity, SSMB shards are the capacity's source shards: T/(data*expert*tensor) tokens each."""
-    cfg = dataclasses.replace(CFG, capacity_factor=1.0, ssmb=True)
+    cfg = dataclasses.replace(CFG, capacity_factor=1.0)
     layout, shards = (2, 2, 2), 8
     params, x, proj = _params(cfg), _x() + 1.0, _proj()  # shifted inputs: uneven loads, drops
-    (_, (y, aux)), (g_p, _) = _layer_fn(cfg, layout)(params, x, proj)
+    (_, (y, aux)), (g_p, _) = _layer_fn(cfg, dataclasses.replace(PFT, ssmb=True), layout)(params, x, proj)
     r = router.route(x, params["router"]["kernel"], None, cfg)
     idx, wts = np.asarray(r.topk_idx_TK), np.asarray(r.topk_weight_TK)
     t_loc = T // shards
@@ -154,7 +152,7 @@ def test_ssmb_dropping_keeps_capacity_per_token_shard() -> None:
             for s in range(0, T, t_loc)
         ]
     )
-    assert (~keep).sum() > 0 and int(aux["num_dropped"]) == (~keep).sum()
+    assert (~keep).sum() > 0 and int(aux.num_dropped) == (~keep).sum()
 
     def oracle(p, x):
         rr = router.route(x, p["router"]["kernel"], None, cfg)
@@ -173,18 +171,18 @@ def test_ssmb_dropping_keeps_capacity_per_token_shard() -> None:
 
 def test_config_validation_names_the_fix() -> None:
     with pytest.raises(ConfigError, match="alternatives"):
-        MoEConfig(ssmb=True, expert_tensor_parallel=True)
+        ParallelConfig(ssmb=True, expert_tensor_parallel=True)
     with pytest.raises(ConfigError, match="auto_shard"):
-        MoEConfig(dispatch="padded", auto_shard=True)
-    etp = ModelConfig(moe=MoEConfig(expert_hidden=10, expert_tensor_parallel=True))
+        ParallelConfig(dispatch="padded", auto_shard=True)
+    etp = ModelConfig(moe=MoEConfig(expert_hidden=10))
     with pytest.raises(ConfigError, match="expert_hidden=10 is not divisible by mesh.tensor=4"):
-        Config(model=etp, mesh=MeshConfig(tensor=4))
-    ssmb = Config(model=ModelConfig(moe=MoEConfig(ssmb=True)), mesh=MeshConfig(tensor=8))
+        Config(model=etp, mesh=MeshConfig(tensor=4), parallel=ParallelConfig(expert_tensor_parallel=True))
+    ssmb = Config(model=ModelConfig(), mesh=MeshConfig(tensor=8), parallel=ParallelConfig(ssmb=True))
     ssmb = dataclasses.replace(ssmb, train=dataclasses.replace(ssmb.train, batch_size=1, seq_len=12))
-    with pytest.raises(ConfigError, match="moe.ssmb: the 12 tokens"):
+    with pytest.raises(ConfigError, match="ssmb: the 12 tokens"):
         ssmb.validate_for_devices(8)
-    sp = dataclasses.replace(ssmb, model=dataclasses.replace(ssmb.model, sequence_parallel=True))
-    with pytest.raises(ConfigError, match="sequence parallelism"):
+    sp = dataclasses.replace(ssmb, parallel=dataclasses.replace(ssmb.parallel, sequence_parallel=True))
+    with pytest.raises(ConfigError, match="sequence_parallel splits each sequence"):
         sp.validate_for_devices(8)
 
 
@@ -192,17 +190,22 @@ def test_config_validation_names_the_fix() -> None:
 
 
 @functools.cache
-def _model_fn(cfg: ModelConfig, layout: tuple | None):
-    spec = fmodel.model_spec(cfg)
+def _model_fn(cfg: ModelConfig, par: ParallelConfig, layout: tuple | None):
+    spec = fmodel.model_spec(cfg, par)
     mesh = None if layout is None else _mesh(layout)
     tokens = jax.random.randint(jax.random.key(3), (4, S), 0, cfg.vocab_size)
 
     def loss(params, bias):
-        logits, aux = fmodel.apply(spec, params, bias, tokens, mesh)
-        return jnp.mean(logits**2) + aux["aux_loss"].sum(), logits
+        logits, stats = fmodel.apply(spec, params, bias, tokens)
+        return jnp.mean(logits**2) + stack_layers(stats).aux_loss.sum(), logits
 
     params, bias = fmodel.init_params(spec, jax.random.key(0), mesh)
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, bias)
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    if mesh is None:
+        (_, logits), grads = fn(params, bias)
+    else:
+        with jax.set_mesh(mesh):
+            (_, logits), grads = fn(params, bias)
     return logits, grads
 
 
@@ -215,11 +218,10 @@ MODEL = ModelConfig(
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_model_tensor_parallel_equals_no_mesh(sp: bool) -> None:
     """Heads / MLP F over tensor=4 (GQA: 2 kv heads replicated), SSMB MoE; with and without SP."""
-    logits_ref, grads_ref = _model_fn(
-        dataclasses.replace(MODEL, moe=dataclasses.replace(CFG, dispatch="dense")), None
+    logits_ref, grads_ref = _model_fn(MODEL, DENSE, None)
+    logits, grads = _model_fn(
+        MODEL, ParallelConfig(dispatch="pft", ssmb=True, sequence_parallel=sp), (2, 1, 4)
     )
-    cfg = dataclasses.replace(MODEL, sequence_parallel=sp, moe=dataclasses.replace(CFG, ssmb=True))
-    logits, grads = _model_fn(cfg, (2, 1, 4))
     assert rel_err(logits, logits_ref) < TOL
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_ref), strict=True
@@ -229,19 +231,20 @@ def test_model_tensor_parallel_equals_no_mesh(sp: bool) -> None:
 
 # ----------------------------------------------------------------------------- memory
 
-SMALL = MoEConfig(num_experts=16, top_k=6, expert_hidden=128, activation="gelu", dispatch="pft")
+SMALL = MoEConfig(num_experts=16, top_k=6, expert_hidden=128, activation="gelu")
+SSMB = ParallelConfig(dispatch="pft", ssmb=True)
 SMALL_D, SMALL_T = 256, 2048
 
 
 @functools.cache
-def _temp_bytes(cfg: MoEConfig, dim: int, tokens: int, layout: tuple) -> int:
+def _temp_bytes(cfg: MoEConfig, par: ParallelConfig, dim: int, tokens: int, layout: tuple) -> int:
     """Compiled temp bytes per device of jit(grad(sum(y) + aux_loss)) of one layer, float32."""
     mesh = _mesh(layout)
     params = jax.eval_shape(lambda: init_moe_params(jax.random.key(0), dim, cfg))
 
     def loss(p, x):
-        y, aux = moe_layer(p, x, cfg, mesh=mesh)
-        return jnp.sum(y) + aux["aux_loss"]
+        y, aux = moe_layer(p, x, cfg, par, mesh=mesh)
+        return jnp.sum(y) + aux.aux_loss
 
     x = jax.ShapeDtypeStruct((tokens, dim), jnp.float32)
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
@@ -249,31 +252,35 @@ def _temp_bytes(cfg: MoEConfig, dim: int, tokens: int, layout: tuple) -> int:
 
 
 def _sizes(layout):
-    return dict(zip(("data", "expert", "tensor"), layout, strict=True))
+    data, expert, tensor = layout
+    return MeshShape(data=data, expert_nodes=1, expert_per_node=expert, tensor=tensor)
 
 
 def test_ssmb_divides_dispatch_and_combine_bytes_by_tp() -> None:
     layout, tp = (1, 2, 4), 4
-    on, off = dataclasses.replace(SMALL, ssmb=True), SMALL
-    est_on = mm.pft_estimate(on, SMALL_D, SMALL_T, _sizes(layout), itemsize=4)
-    est_off = mm.pft_estimate(off, SMALL_D, SMALL_T, _sizes(layout), itemsize=4)
+    est_on = mm.pft_estimate(SMALL, SSMB, SMALL_D, SMALL_T, _sizes(layout), itemsize=4)
+    est_off = mm.pft_estimate(SMALL, PFT, SMALL_D, SMALL_T, _sizes(layout), itemsize=4)
     assert est_off.dispatch_combine == tp * est_on.dispatch_combine
     assert est_off.shapes.recv == tp * est_on.shapes.recv
-    ratio = _temp_bytes(off, SMALL_D, SMALL_T, layout) / _temp_bytes(on, SMALL_D, SMALL_T, layout)
+    ratio = _temp_bytes(SMALL, PFT, SMALL_D, SMALL_T, layout) / _temp_bytes(
+        SMALL, SSMB, SMALL_D, SMALL_T, layout
+    )
     assert 0.9 * tp <= ratio <= tp, ratio  # all but the expert weights scale with the tokens
 
 
 MEMORY_CASES = [
-    # (name, cfg, dim, tokens, layout)
-    ("tiny-ssmb", dataclasses.replace(CFG, num_shared_experts=0, ssmb=True), D, T, (2, 2, 2)),
-    ("tiny", dataclasses.replace(CFG, num_shared_experts=0), D, T, (2, 4, 1)),
-    ("small-ssmb", dataclasses.replace(SMALL, ssmb=True), SMALL_D, SMALL_T, (1, 2, 4)),
-    ("small-ep8", SMALL, SMALL_D, SMALL_T, (1, 8, 1)),
+    # (name, cfg, parallel, dim, tokens, layout)
+    ("tiny-ssmb", dataclasses.replace(CFG, num_shared_experts=0), SSMB, D, T, (2, 2, 2)),
+    ("tiny", dataclasses.replace(CFG, num_shared_experts=0), PFT, D, T, (2, 4, 1)),
+    ("small-ssmb", SMALL, SSMB, SMALL_D, SMALL_T, (1, 2, 4)),
+    ("small-ep8", SMALL, PFT, SMALL_D, SMALL_T, (1, 8, 1)),
 ]
 
 
-@pytest.mark.parametrize("name, cfg, dim, tokens, layout", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
-def test_memory_model_within_10_percent_of_compiled(name, cfg, dim, tokens, layout) -> None:
-    est = mm.pft_estimate(cfg, dim, tokens, _sizes(layout), itemsize=4)
-    measured = _temp_bytes(cfg, dim, tokens, layout)
+@pytest.mark.parametrize(
+    "name, cfg, par, dim, tokens, layout", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES]
+)
+def test_memory_model_within_10_percent_of_compiled(name, cfg, par, dim, tokens, layout) -> None:
+    est = mm.pft_estimate(cfg, par, dim, tokens, _sizes(layout), itemsize=4)
+    measured = _temp_bytes(cfg, par, dim, tokens, layout)
     assert mm.relative_error(est.peak, measured) < 0.10, (name, est.peak_stage, est.peak, measured)

@@ -28,7 +28,7 @@ def tiny(run_dir, *overrides):
 EP = [
     "mesh.data=2",
     "mesh.expert=4",
-    "model.moe.dispatch=padded",
+    "parallel.dispatch=padded",
     "model.moe.capacity_factor=1.0",
     "model.moe.score_func=sigmoid",
     "model.moe.bias_update_rate=0.01",
@@ -133,7 +133,7 @@ def test_loss_falls_on_text_with_metrics_file(tmp_path):
         "checkpoint.enabled=false",
         "mesh.data=4",
         "mesh.expert=2",
-        "model.moe.dispatch=padded",
+        "parallel.dispatch=padded",
     )
     result = train(cfg)
     start, last = result.losses[1], result.records[-1]["loss"]
@@ -166,21 +166,44 @@ def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
     from xmoe_jax.config import MeshConfig
     from xmoe_jax.model import functional as fmodel
     from xmoe_jax.sharding import make_mesh
-    from xmoe_jax.train import step as tstep
     from xmoe_jax.train.checkpoint import Checkpointer
     from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import TrainState, abstract_state, state_shardings
 
     mesh = make_mesh(MeshConfig(data=8))
     spec = fmodel.model_spec(cfg.model)
     opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-    abstract = tstep.abstract_state(spec, opt, tstep.state_shardings(spec, opt, mesh))
+    abstract = abstract_state(spec, opt, state_shardings(spec, opt, mesh))
     with Checkpointer(tmp_path / "bias" / "checkpoints", cfg.checkpoint) as ckpt:
-        state = ckpt.restore(abstract)
-    biases = [layer["moe"]["router"]["bias"] for layer in state["bias"]["layers"].values()]
+        state = TrainState.from_dict(ckpt.restore(abstract.as_dict()))
+    biases = [layer["moe"]["router"]["bias"] for layer in state.bias["layers"].values()]
     for b in biases:  # three sign steps of 0.05 each: every entry is a multiple of 0.05 within 0.15
         b = np.asarray(b)
         assert np.allclose(np.round(b / 0.05) * 0.05, b, atol=1e-6) and np.abs(b).max() <= 0.15 + 1e-6
         assert np.abs(b).max() > 0
     # the optimizer never sees the bias: no leaf of its state has the bias' shape path
-    flat = jax.tree_util.tree_flatten_with_path(state["opt"])[0]
+    flat = jax.tree_util.tree_flatten_with_path(state.opt)[0]
     assert not any("bias" in jax.tree_util.keystr(path) for path, _ in flat)
+
+
+# Placement is not the model: a run trained with rbd resumes under pft or padded and its losses go on
+# as the uninterrupted rbd run's (dropless, so every dispatch computes the same function).
+PLACED = ["mesh.data=2", "mesh.expert=4", "mesh.expert_nodes=2", "checkpoint.every=2", "checkpoint.async_save=false"]
+
+
+@pytest.fixture(scope="module")
+def rbd_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("placement")
+    full = train(tiny(root / "full", "train.steps=4", *PLACED, "parallel.dispatch=rbd"))
+    return root, full
+
+
+@pytest.mark.parametrize("second", ["pft", "padded"])
+def test_resume_under_another_dispatch_mode(rbd_run, second):
+    root, full = rbd_run
+    run = root / f"split-{second}"
+    train(tiny(run, "train.steps=2", *PLACED, "parallel.dispatch=rbd"))
+    resumed = train(tiny(run, "train.steps=4", *PLACED, f"parallel.dispatch={second}"), resume=True)
+    assert sorted(resumed.losses) == [3, 4]
+    for step in (3, 4):
+        assert abs(resumed.losses[step] - full.losses[step]) < 1e-5 * abs(full.losses[step]), step

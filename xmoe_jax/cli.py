@@ -46,6 +46,9 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     distributed.add_cli_flags(p)
     args = p.parse_args(argv)
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()  # before anything starts JAX's backend
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)

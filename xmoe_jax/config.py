@@ -9,21 +9,40 @@ as ``model.moe.top_k=4``. Unknown keys and wrong types are errors, never ignored
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import yaml
 
-DISPATCH_MODES = ("dense", "padded", "pft", "rbd")
-TRANSPORTS = ("auto", "ragged", "emulated")
-ACTIVATIONS = ("swiglu", "gelu")
-SCORE_FUNCS = ("softmax", "sigmoid")
-DROP_POLICIES = ("probs", "position")
-AUX_LOSS_TYPES = ("micro_batch", "sequence", "none")
+Dispatch = Literal["dense", "padded", "pft", "rbd"]
+Transport = Literal["auto", "ragged", "emulated"]
+Activation = Literal["swiglu", "gelu"]
+ScoreFunc = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+AuxLossType = Literal["micro_batch", "sequence", "none"]
+DType = Literal["bfloat16", "float32", "float16"]
+ParamDType = Literal["float32", "bfloat16"]
+DataSource = Literal["synthetic", "text"]
+NanPolicy = Literal["stop", "skip"]
+
+DISPATCH_MODES = typing.get_args(Dispatch)
+TRANSPORTS = typing.get_args(Transport)
+
+# keys that describe placement, not the model: moved from model(.moe) to `parallel`
+MOVED_TO_PARALLEL = {
+    "model.moe.dispatch": "parallel.dispatch",
+    "model.moe.transport": "parallel.transport",
+    "model.moe.recv_buffer_factor": "parallel.recv_buffer_factor",
+    "model.moe.ssmb": "parallel.ssmb",
+    "model.moe.expert_tensor_parallel": "parallel.expert_tensor_parallel",
+    "model.moe.auto_shard": "parallel.auto_shard",
+    "model.sequence_parallel": "parallel.sequence_parallel",
+}
 
 
 class ConfigError(ValueError):
@@ -35,51 +54,43 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    _check(value in choices, f"{name}={value!r} is not one of {list(choices)}")
+def _check_choices(obj: Any, prefix: str) -> None:
+    """Every `Literal`-typed field of a config dataclass holds one of its values."""
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        base, _ = _resolve_type(tp)
+        value = getattr(obj, name)
+        if typing.get_origin(base) is Literal and value is not None:
+            choices = typing.get_args(base)
+            _check(value in choices, f"{prefix}{name}={value!r} is not one of {list(choices)}")
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts, router and dispatch of one MoE layer."""
+    """Routed experts and router of one MoE layer: what the layer computes, not how it is placed
+    (the dispatch mode and placement are `ParallelConfig`)."""
 
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 64
     num_shared_experts: int = 0
     shared_expert_hidden: int | None = None  # default: num_shared_experts * expert_hidden
-    activation: str = "swiglu"
-    score_func: str = "softmax"
+    activation: Activation = "swiglu"
+    score_func: ScoreFunc = "softmax"
     norm_topk_prob: bool = True
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gate: bool = False
     capacity_factor: float | None = None  # None = dropless
-    dispatch: str = "dense"
-    drop_policy: str = "probs"
-    aux_loss_type: str = "micro_batch"
+    drop_policy: DropPolicy = "probs"
+    aux_loss_type: AuxLossType = "micro_batch"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_update_rate: float = 0.0  # aux-loss-free balancing (sigmoid routing)
-    # pft: receive buffer rows = recv_buffer_factor * (tokens per shard) * top_k; None = worst case
-    recv_buffer_factor: float | None = None
-    transport: str = "auto"  # pft exchange: ragged_all_to_all on GPU, exact emulation elsewhere
-    # Tensor parallelism inside the MoE block (no effect when mesh.tensor == 1; see moe/layer.py):
-    # ssmb: each tensor rank routes, dispatches, computes and combines 1/TP of the block's tokens
-    # (sequence-sharded MoE block); off, every tensor rank repeats the block on the same tokens.
-    # A flag, off by default because it changes pft's capacity shards (drops are decided per
-    # data x expert x tensor shard) and the per-device statistics; turn it on whenever tensor > 1.
-    ssmb: bool = False
-    # expert-tensor parallelism: each expert's hidden F split over the tensor axis, tokens
-    # replicated over it, partial outputs summed (the alternative to SSMB, for comparison)
-    expert_tensor_parallel: bool = False
-    # pft only: run the padding-free algorithm on the whole batch under jit with logical sharding
-    # annotations only (no shard_map), leaving placement to XLA's partitioner
-    auto_shard: bool = False
 
     def __post_init__(self) -> None:
         p = "moe."
+        _check_choices(self, p)
         _check(self.num_experts >= 1, f"{p}num_experts={self.num_experts} must be >= 1")
         _check(
             1 <= self.top_k <= self.num_experts,
@@ -89,11 +100,6 @@ class MoEConfig:
         _check(self.num_shared_experts >= 0, f"{p}num_shared_experts must be >= 0")
         if self.shared_expert_hidden is not None:
             _check(self.shared_expert_hidden >= 1, f"{p}shared_expert_hidden must be >= 1")
-        _choice(p + "activation", self.activation, ACTIVATIONS)
-        _choice(p + "score_func", self.score_func, SCORE_FUNCS)
-        _choice(p + "dispatch", self.dispatch, DISPATCH_MODES)
-        _choice(p + "drop_policy", self.drop_policy, DROP_POLICIES)
-        _choice(p + "aux_loss_type", self.aux_loss_type, AUX_LOSS_TYPES)
         _check(
             self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
             f"{p}num_groups={self.num_groups} must divide num_experts={self.num_experts}",
@@ -119,22 +125,6 @@ class MoEConfig:
                 f"{p}capacity_factor={self.capacity_factor} must be > 0 (or null for dropless)",
             )
         _check(self.bias_update_rate >= 0, f"{p}bias_update_rate must be >= 0")
-        _choice(p + "transport", self.transport, TRANSPORTS)
-        if self.recv_buffer_factor is not None:
-            _check(
-                self.recv_buffer_factor > 0,
-                f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
-            )
-        _check(
-            not (self.ssmb and self.expert_tensor_parallel),
-            f"{p}ssmb and {p}expert_tensor_parallel are alternatives (SSMB splits the tokens over the "
-            "tensor axis, expert-TP splits each expert's hidden over it); set one of them to false",
-        )
-        _check(
-            not self.auto_shard or self.dispatch == "pft",
-            f"{p}auto_shard applies to dispatch='pft' ({self.dispatch!r} is always placed by XLA's "
-            "partitioner); set moe.auto_shard=false",
-        )
 
     @property
     def shared_hidden(self) -> int:
@@ -157,6 +147,56 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is placed on the mesh: nothing here changes the parameters, so a checkpoint
+    resumes under any of these settings (train with rbd, resume with pft).
+
+    dispatch: how routed tokens reach their experts (moe/dispatchers.py): `dense` (the oracle),
+      `padded` (capacity baseline), `pft` (padding-free), `rbd` (two-stage, across nodes).
+    transport: the pft/rbd exchange: ragged_all_to_all on GPU, an exact emulation elsewhere.
+    recv_buffer_factor: pft/rbd receive buffer rows = factor * (tokens per shard) * top_k;
+      None = the worst case.
+    ssmb: with tensor parallelism, each tensor rank routes, dispatches, computes and combines
+      1/TP of the block's tokens (sequence-sharded MoE block); off, every tensor rank repeats the
+      block on the same tokens. Off by default because it changes pft's capacity shards (drops are
+      decided per data x expert x tensor shard); turn it on whenever mesh.tensor > 1.
+    expert_tensor_parallel: each expert's hidden F split over the tensor axis, tokens replicated
+      over it, partial outputs summed (the alternative to SSMB, for comparison).
+    auto_shard: pft only: the padding-free algorithm on the whole batch under jit with logical
+      sharding annotations only (no shard_map), leaving placement to XLA's partitioner.
+    sequence_parallel: under tensor parallelism, also split the residual stream's sequence over
+      the tensor axis between blocks (norms, residual adds).
+    """
+
+    dispatch: Dispatch = "dense"
+    transport: Transport = "auto"
+    recv_buffer_factor: float | None = None
+    ssmb: bool = False
+    expert_tensor_parallel: bool = False
+    auto_shard: bool = False
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        p = "parallel."
+        _check_choices(self, p)
+        if self.recv_buffer_factor is not None:
+            _check(
+                self.recv_buffer_factor > 0,
+                f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
+            )
+        _check(
+            not (self.ssmb and self.expert_tensor_parallel),
+            f"{p}ssmb and {p}expert_tensor_parallel are alternatives (SSMB splits the tokens over the "
+            "tensor axis, expert-TP splits each expert's hidden over it); set one of them to false",
+        )
+        _check(
+            not self.auto_shard or self.dispatch == "pft",
+            f"{p}auto_shard applies to dispatch='pft' ({self.dispatch!r} is always placed by XLA's "
+            f"partitioner); set {p}auto_shard=false",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: first `num_dense_layers` dense, the rest MoE."""
 
@@ -167,21 +207,19 @@ class ModelConfig:
     num_kv_heads: int | None = None  # None = num_heads (MHA)
     head_dim: int | None = None  # None = hidden // num_heads
     dense_hidden: int = 256
-    dense_activation: str = "swiglu"
+    dense_activation: Activation = "swiglu"
     num_dense_layers: int = 1
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    dtype: str = "bfloat16"
-    param_dtype: str = "float32"
-    # tensor parallelism: also split the residual stream's sequence over the tensor axis between
-    # blocks (norms, residual adds); attention and MLPs all-gather it and reduce-scatter back
-    sequence_parallel: bool = False
+    dtype: DType = "bfloat16"
+    param_dtype: ParamDType = "float32"
     moe: MoEConfig | None = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         p = "model."
+        _check_choices(self, p)
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "dense_hidden", "max_seq_len"):
             _check(getattr(self, name) >= 1, f"{p}{name}={getattr(self, name)} must be >= 1")
         _check(
@@ -198,9 +236,6 @@ class ModelConfig:
             f"{p}num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}",
         )
         _check(self.head_size % 2 == 0, f"{p}head_dim={self.head_size} must be even for RoPE")
-        _choice(p + "dense_activation", self.dense_activation, ACTIVATIONS)
-        _choice(p + "dtype", self.dtype, ("bfloat16", "float32", "float16"))
-        _choice(p + "param_dtype", self.param_dtype, ("float32", "bfloat16"))
         _check(
             self.moe is not None or self.num_dense_layers == self.num_layers,
             f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",
@@ -217,6 +252,24 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers if self.moe is not None else 0
+
+
+class MeshShape(NamedTuple):
+    """Resolved mesh sizes (sharding.py names the axes they become)."""
+
+    data: int
+    expert_nodes: int
+    expert_per_node: int
+    tensor: int
+
+    @property
+    def expert(self) -> int:
+        return self.expert_nodes * self.expert_per_node
+
+    @property
+    def batch_shards(self) -> int:
+        """How many shards the batch is split into: data x expert."""
+        return self.data * self.expert
 
 
 @dataclass(frozen=True)
@@ -244,7 +297,7 @@ class MeshConfig:
             "(devices per node = expert / expert_nodes)",
         )
 
-    def resolve(self, num_devices: int) -> dict[str, int]:
+    def resolve(self, num_devices: int) -> MeshShape:
         """Axis sizes for `num_devices`; errors if they cannot multiply to it."""
         fixed = self.expert * self.tensor
         if self.data == -1:
@@ -261,12 +314,7 @@ class MeshConfig:
                 f"mesh size data*expert*tensor = {data}*{self.expert}*{self.tensor} = {data * fixed} "
                 f"!= {num_devices} devices; set mesh.data=-1 or sizes whose product is {num_devices}",
             )
-        return {
-            "data": data,
-            "expert_node": self.expert_nodes,
-            "expert": self.expert // self.expert_nodes,  # devices per node in the expert group
-            "tensor": self.tensor,
-        }
+        return MeshShape(data, self.expert_nodes, self.expert // self.expert_nodes, self.tensor)
 
 
 @dataclass(frozen=True)
@@ -297,13 +345,13 @@ class OptimizerConfig:
 class DataConfig:
     """Input: `synthetic` (deterministic, learnable) or `text` (byte-level file)."""
 
-    source: str = "synthetic"
+    source: DataSource = "synthetic"
     path: str | None = None
     seed: int = 0
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        _choice("data.source", self.source, ("synthetic", "text"))
+        _check_choices(self, "data.")
         if self.source == "text":
             _check(self.path is not None, "data.source='text' needs data.path=<file>")
 
@@ -332,7 +380,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     run_dir: str = "runs/default"
-    nan_policy: str = "stop"
+    nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind
 
     def __post_init__(self) -> None:
@@ -340,7 +388,7 @@ class TrainConfig:
         _check(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
         _check(self.seq_len >= 1, f"train.seq_len={self.seq_len} must be >= 1")
         _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
-        _choice("train.nan_policy", self.nan_policy, ("stop", "skip"))
+        _check_choices(self, "train.")
 
 
 @dataclass(frozen=True)
@@ -349,6 +397,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -372,41 +421,40 @@ class Config:
                 f"moe.num_experts={moe.num_experts} is not divisible by mesh.expert={self.mesh.expert}; "
                 "choose an expert axis that divides the expert count",
             )
-            if moe.expert_tensor_parallel:
+            if self.parallel.expert_tensor_parallel:
                 _check(
                     moe.expert_hidden % self.mesh.tensor == 0,
                     f"moe.expert_hidden={moe.expert_hidden} is not divisible by mesh.tensor={self.mesh.tensor}; "
-                    "expert-tensor parallelism splits it over the tensor axis",
+                    "parallel.expert_tensor_parallel splits it over the tensor axis",
                 )
 
-    def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> dict[str, int]:
+    def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> MeshShape:
         """Checks that need the runtime: mesh size and batch divisibility."""
-        axes = self.mesh.resolve(num_devices)
-        shards = axes["data"] * axes["expert_node"] * axes["expert"]
+        shape = self.mesh.resolve(num_devices)
+        shards, tensor = shape.batch_shards, shape.tensor
         _check(
             self.train.batch_size % shards == 0,
             f"train.batch_size={self.train.batch_size} is not divisible by data*expert={shards} "
             "batch shards; use a multiple",
         )
-        moe, tensor = self.model.moe, axes["tensor"]
-        if self.model.sequence_parallel:
+        if self.parallel.sequence_parallel:
             _check(
                 self.train.seq_len % tensor == 0,
                 f"train.seq_len={self.train.seq_len} is not divisible by mesh.tensor={tensor}; "
-                "sequence parallelism splits each sequence over the tensor axis",
+                "parallel.sequence_parallel splits each sequence over the tensor axis",
             )
-        if moe is not None and moe.ssmb:
+        if self.model.moe is not None and self.parallel.ssmb:
             local_tokens = self.train.batch_size // shards * self.train.seq_len
             _check(
                 local_tokens % tensor == 0,
-                f"moe.ssmb: the {local_tokens} tokens per data*expert shard are not divisible by "
+                f"parallel.ssmb: the {local_tokens} tokens per data*expert shard are not divisible by "
                 f"mesh.tensor={tensor}; choose train.seq_len or train.batch_size so they are",
             )
         _check(
             self.train.batch_size % num_processes == 0,
             f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",
         )
-        return axes
+        return shape
 
 
 # ----------------------------------------------------------------------------- loading
@@ -433,6 +481,11 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
         return _build(base, value, path + ".")
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
+        return value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is float and isinstance(value, str):
@@ -449,6 +502,13 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for key in unknown:
+        moved = MOVED_TO_PARALLEL.get(prefix + key)
+        if moved is not None:
+            raise ConfigError(
+                f"{prefix}{key} moved to {moved} (it says how the model is placed, not what it is); "
+                f"write {moved}={data[key]} (a top-level '{moved.split('.')[0]}:' section in YAML) instead"
+            )
     if unknown:
         raise ConfigError(
             f"unknown config key {prefix}{unknown[0]}; valid keys under "
@@ -461,6 +521,22 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 def from_dict(data: dict, cls: type = Config) -> Any:
     """Builds a (nested) config dataclass from plain data, validating keys and types."""
     return _build(cls, data or {})
+
+
+def migrate_dict(data: dict) -> dict:
+    """A config dict as older versions wrote it (checkpoints) in today's layout: placement keys
+    that lived under model(.moe) move to `parallel`. Returns a new dict; `data` is untouched."""
+    out = json.loads(json.dumps(data))
+    for old, new in MOVED_TO_PARALLEL.items():
+        *parents, leaf = old.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            value = node.pop(leaf)
+            section, key = new.split(".")
+            out.setdefault(section, {}).setdefault(key, value)
+    return out
 
 
 def to_dict(cfg: Any) -> dict:

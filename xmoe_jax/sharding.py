@@ -14,12 +14,15 @@ What is sharded where (`-` = replicated; TP = tensor parallelism):
 | residual stream [B,S,D]         | split     | split    | S split (sequence_parallel)|
 | attention heads, MLP F (TP)     | (fsdp: D) | -        | split (column / row)       |
 | vocab (embed, lm head)          | (fsdp: D) | -        | split                      |
-| MoE block tokens                | split     | split    | split (moe.ssmb)           |
-| expert weights [E,D,F]          | (fsdp: D) | E split  | F split (expert_tensor_parallel) |
+| MoE block tokens                | split     | split    | split (parallel.ssmb)      |
+| expert weights [E,D,F]          | (fsdp: D) | E split  | F split (parallel.expert_tensor_parallel) |
 | expert buffers [E,C,D] (padded) | -         | E split  | -                          |
 
 Variants are chosen by config, not by editing tables: `param_rules(fsdp,
 expert_tensor_parallel)` and `activation_rules(sequence_parallel, ssmb)`.
+
+The mesh is ambient: the trainer enters `jax.set_mesh(mesh)` once, and model code
+asks `current_mesh()` (None without one: one device, no placement).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xmoe_jax.config import MeshConfig
+from xmoe_jax.config import MeshConfig, MeshShape
 
 MESH_AXES = ("data", "expert_node", "expert", "tensor")
 # the expert-parallel group is expert_node x expert (node-major); expert_node has size 1 unless
@@ -71,15 +74,38 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def axis_sizes(shape: MeshShape) -> dict[str, int]:
+    """Mesh axis name -> size for resolved mesh sizes."""
+    return dict(
+        zip(MESH_AXES, (shape.data, shape.expert_nodes, shape.expert_per_node, shape.tensor), strict=True)
+    )
+
+
+def mesh_shape(mesh) -> MeshShape:
+    """The resolved sizes of a mesh made by `make_mesh` (or its abstract mesh)."""
+    return MeshShape(*(int(mesh.shape[a]) for a in MESH_AXES))
+
+
 def make_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, expert_node, expert, tensor) mesh over `devices` (default: all), Auto axes."""
     mesh_cfg = mesh_cfg or MeshConfig()
     devices = list(devices) if devices is not None else jax.devices()
-    sizes = mesh_cfg.resolve(len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    device_array = np.asarray(devices).reshape(shape)
+    sizes = axis_sizes(mesh_cfg.resolve(len(devices)))
+    device_array = np.asarray(devices).reshape(tuple(sizes[a] for a in MESH_AXES))
     axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     return Mesh(device_array, MESH_AXES, axis_types=axis_types)
+
+
+def current_mesh():
+    """The ambient mesh (`jax.set_mesh`), abstract inside jit; None when none is set."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def expert_layout(mesh) -> tuple[int, int]:
+    """(nodes, devices per node) of the expert-parallel group."""
+    node_axis, local_axis = EXPERT_AXES
+    return mesh.shape[node_axis], mesh.shape[local_axis]
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict) -> PartitionSpec:
@@ -128,6 +154,14 @@ def moe_token_axes(ssmb: bool) -> tuple[str, ...]:
     under SSMB. Every dispatch path (pft, rbd) takes its shard_map token spec from here, so the
     flat token dim of [B*S, D] sharded (data, expert) over B and tensor over S is this layout."""
     return ("data", *EXPERT_AXES, "tensor") if ssmb else ("data", *EXPERT_AXES)
+
+
+def token_shard_nodes(mesh, axes: Sequence[str]) -> np.ndarray:
+    """The expert node of each token shard, shards numbered row-major over `axes` (as
+    PartitionSpec(axes) splits a token dimension)."""
+    sizes = [mesh.shape[a] for a in axes]
+    coords = np.unravel_index(np.arange(int(np.prod(sizes))), sizes)
+    return np.asarray(coords[list(axes).index(EXPERT_AXES[0])])
 
 
 def exchange_axes(mesh: Mesh) -> str | tuple[str, ...]:

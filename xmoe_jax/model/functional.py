@@ -3,8 +3,8 @@
 `model_spec(cfg)` builds the module abstractly (no memory) and records its graph,
 parameter shapes and logical axis names; `init_params` materialises the weights
 directly in their sharded layout; `apply` merges a pytree back into the module and
-runs it. Trainable weights (`Param`) and the router's selection bias (`RouterBias`)
-are separate pytrees, so the optimizer only ever sees the former.
+runs it on the ambient mesh. Trainable weights (`Param`) and the router's selection
+bias (`RouterBias`) are separate pytrees, so the optimizer only ever sees the former.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from xmoe_jax import sharding
-from xmoe_jax.config import ModelConfig
+from xmoe_jax.config import ModelConfig, ParallelConfig
 from xmoe_jax.model.moe_block import RouterBias
 from xmoe_jax.model.transformer import Transformer
 
@@ -25,6 +25,7 @@ from xmoe_jax.model.transformer import Transformer
 @dataclass(frozen=True)
 class ModelSpec:
     cfg: ModelConfig
+    parallel: ParallelConfig
     graphdef: Any
     params_shape: dict  # pure pytree of ShapeDtypeStruct
     bias_shape: dict
@@ -53,11 +54,13 @@ def _shape(var: nnx.Variable) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(v.shape, v.dtype)
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+def model_spec(cfg: ModelConfig, parallel: ParallelConfig | None = None) -> ModelSpec:
+    parallel = parallel or ParallelConfig()
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), parallel))
     graphdef, params, bias = nnx.split(abstract, nnx.Param, RouterBias)
     return ModelSpec(
         cfg=cfg,
+        parallel=parallel,
         graphdef=graphdef,
         params_shape=_nested(params, _shape),
         bias_shape=_nested(bias, _shape),
@@ -67,9 +70,8 @@ def model_spec(cfg: ModelConfig) -> ModelSpec:
 
 
 def shardings(spec: ModelSpec, mesh: Mesh, fsdp: bool = False) -> tuple[Any, Any]:
-    """NamedShardings of (params, bias) under the parameter rules (expert-TP from the MoE config)."""
-    etp = spec.cfg.moe is not None and spec.cfg.moe.expert_tensor_parallel
-    rules = sharding.param_rules(fsdp, expert_tensor_parallel=etp)
+    """NamedShardings of (params, bias) under the parameter rules (expert-TP from the placement)."""
+    rules = sharding.param_rules(fsdp, expert_tensor_parallel=spec.parallel.expert_tensor_parallel)
     return (
         sharding.tree_shardings(mesh, spec.params_shape, spec.params_logical, rules),
         sharding.tree_shardings(mesh, spec.bias_shape, spec.bias_logical, rules),
@@ -80,7 +82,7 @@ def init_params(spec: ModelSpec, key: jax.Array, mesh: Mesh | None = None, fsdp:
     """(params, bias) pure pytrees; created already sharded when a mesh is given."""
 
     def init(key):
-        model = Transformer(spec.cfg, nnx.Rngs(params=key))
+        model = Transformer(spec.cfg, nnx.Rngs(params=key), spec.parallel)
         _, params, bias = nnx.split(model, nnx.Param, RouterBias)
         return nnx.to_pure_dict(params), nnx.to_pure_dict(bias)
 
@@ -88,7 +90,7 @@ def init_params(spec: ModelSpec, key: jax.Array, mesh: Mesh | None = None, fsdp:
     return jax.jit(init, out_shardings=out_shardings)(key)
 
 
-def apply(spec: ModelSpec, params: dict, bias: dict, tokens_BS: jax.Array, mesh: Mesh | None = None):
-    """Float32 logits [B,S,V] and stacked MoE aux values."""
+def apply(spec: ModelSpec, params: dict, bias: dict, tokens_BS: jax.Array):
+    """Float32 logits [B,S,V] and each MoE layer's statistics keyed by module path."""
     model = nnx.merge(spec.graphdef, params, bias)
-    return model(tokens_BS, mesh)
+    return model(tokens_BS)

@@ -22,37 +22,55 @@ Steps:
      combined with the routing weights (combine kernel, float32 accumulation).
 
 `pft_stages` yields at each step's end (send_buffer, exchange, experts, return) and
-returns (y_TD, stats): the layer runs it whole, the stage benchmark one prefix at a
-time (stages.py).
+returns (y_TD, ExchangeStats): the layer runs it whole, the stage benchmark one prefix
+at a time (stages.py). It knows the layer only through an `ExchangeSpec` (experts,
+slots, receive rows, activation), so RBD's stage 2 runs it on the node's experts.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
+from xmoe_jax.moe.stats import ExchangeStats
 from xmoe_jax.pallas import combine, permute
 
 
-def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:
+class ExchangeSpec(NamedTuple):
+    """The exchange one pft dispatch runs: all it needs to know of the layer (static)."""
+
+    num_experts: int  # experts over the exchange group, E = P * L
+    slots: int  # routed copies per token, K
+    recv_rows: int  # static receive-buffer rows M per device
+    activation: str  # expert MLP activation
+
+
+def recv_rows(
+    num_experts: int,
+    top_k: int,
+    num_tokens: int,
+    num_peers: int,
+    capacity: int | None = None,
+    factor: float | None = None,
+) -> int:
     """Static receive-buffer rows M for T local tokens and P peers.
 
-    Worst case: every peer sends every token to min(K, L) of my experts. With
-    capacity, a peer sends at most L*C rows. `recv_buffer_factor` f caps M at
+    Worst case: every peer sends every token to min(K, L) of my experts. With a
+    per-expert `capacity` C, a peer sends at most L*C rows. `factor` f caps M at
     ceil(f * T * K) (f = 1 is the average load under perfect balance).
     """
-    local_experts = cfg.num_experts // num_peers
-    worst = num_peers * num_tokens * min(cfg.top_k, local_experts)
-    if cfg.capacity_factor is not None:
-        worst = min(worst, num_peers * local_experts * cfg.capacity(num_tokens))
-    if cfg.recv_buffer_factor is not None:
-        worst = min(worst, math.ceil(cfg.recv_buffer_factor * num_tokens * cfg.top_k))
+    local_experts = num_experts // num_peers
+    worst = num_peers * num_tokens * min(top_k, local_experts)
+    if capacity is not None:
+        worst = min(worst, num_peers * local_experts * capacity)
+    if factor is not None:
+        worst = min(worst, math.ceil(factor * num_tokens * top_k))
     return max(worst, 1)
 
 
@@ -74,7 +92,7 @@ def pft_stages(
     keep_TK: jax.Array,
     pos_TK: jax.Array,
     experts: dict,
-    cfg: MoEConfig,
+    spec: ExchangeSpec,
     *,
     axis_name: str | None,
     num_peers: int,
@@ -82,10 +100,10 @@ def pft_stages(
 ) -> Stages:
     """The dispatch as stages (stages.py): send_buffer, [exchange, experts, return], combine.
 
-    Returns (y_TD, stats) at the end; with one peer there is no exchange stage.
+    Returns (y_TD, ExchangeStats) at the end; with one peer there is no exchange stage.
     """
     num_tokens, top_k = topk_idx_TK.shape
-    num_e, dim = cfg.num_experts, x_TD.shape[1]
+    num_e, dim = spec.num_experts, x_TD.shape[1]
     local_e = num_e // num_peers
     num_send = num_tokens * top_k
 
@@ -95,13 +113,13 @@ def pft_stages(
     yield "send_buffer", (x_send_AD,)
 
     if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
-        y_send_AD = grouped_experts(x_send_AD, experts, counts_E, cfg.activation)
+        y_send_AD = grouped_experts(x_send_AD, experts, counts_E, spec.activation)
         yield "experts", (y_send_AD,)
         sent_TK = keep_TK
-        stats = {"recv_rows": counts_E.sum(), "wire_bytes": jnp.zeros((), jnp.float32)}
+        recv, wire = counts_E.sum(), jnp.zeros((), jnp.float32)
     else:
         me = jax.lax.axis_index(axis_name)
-        num_recv = recv_rows(cfg, num_tokens, num_peers)
+        num_recv = spec.recv_rows
         max_chunk = num_tokens * min(top_k, local_e)
         counts_PE = jax.lax.all_gather(counts_E, axis_name)  # [source, expert]
         block_PQL = counts_PE.reshape(num_peers, num_peers, local_e)  # source, dest, local expert
@@ -115,7 +133,7 @@ def pft_stages(
         cc_PL = cc_PQL[:, me, :]
         grouped_M = _grouped_index(cc_PL, num_recv)
         x_grp_MD = permute(x_recv_MD, grouped_M[:, None], num_recv)
-        y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), cfg.activation)
+        y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), spec.activation)
         yield "experts", (y_grp_MD,)
         y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((num_recv, 1), jnp.float32))
         y_send_AD = exchange(y_recv_MD, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk)
@@ -123,12 +141,10 @@ def pft_stages(
         sent_E = cc_PQL[me].reshape(num_e)  # rows of each expert that fit at their destination
         sent_TK = keep_TK & (pos_TK < sent_E[topk_idx_TK])
         row_bytes = dim * jnp.dtype(x_TD.dtype).itemsize
-        stats = {
-            "recv_rows": cc_PL.sum(),
-            # dispatch + combine, both directions carry the same rows
-            "wire_bytes": 2 * wire_bytes(plan, me, row_bytes, transport, max_chunk),
-        }
+        recv = cc_PL.sum()
+        # dispatch + combine, both directions carry the same rows
+        wire = 2 * wire_bytes(plan, me, row_bytes, transport, max_chunk)
 
     y_TD = combine(y_send_AD, dest_TK, jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32))
-    stats["num_overflow"] = jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32)
-    return y_TD.astype(x_TD.dtype), stats
+    overflow = jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32)
+    return y_TD.astype(x_TD.dtype), ExchangeStats(num_overflow=overflow, recv_rows=recv, wire_bytes=wire)

@@ -21,7 +21,7 @@ the source adds its partial sums. The backward pass is the same dedup in reverse
 every exchange's VJP is its reverse exchange (exchange.py).
 
 `rbd_stages` yields at each step's end (pilots, stage1, stage2/<pft stages>,
-stage2/combine, return) and returns (y_TD, stats) (stages.py).
+stage2/combine, return) and returns (y_TD, ExchangeStats) (stages.py).
 
 The released X-MoE RBD is wrong (buffer order disagreement between dispatch and
 combine, replica weights missing a permutation, several experts per device); here
@@ -30,42 +30,39 @@ every row's destination is computed once and reused by both directions.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.config import MoEConfig
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
-from xmoe_jax.moe.pft import pft_stages
+from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
 from xmoe_jax.pallas import combine, permute
 
 
-def stage2_config(cfg: MoEConfig, num_tokens: int, num_nodes: int) -> MoEConfig:
-    """The config stage 2 runs PFT with: the node's experts, pilots as tokens with K2 slots.
+def stage2_spec(
+    num_experts: int,
+    top_k: int,
+    activation: str,
+    num_tokens: int,
+    num_nodes: int,
+    local_size: int,
+    recv_buffer_factor: float | None,
+) -> ExchangeSpec:
+    """The exchange stage 2 runs PFT with: the node's experts, pilots as tokens with K2 slots.
 
     Stage 2 has M1 = N*T pilot rows of K2 slots, a static worst case far above the
     copies that really arrive. `recv_buffer_factor` f keeps its meaning from pft: the
     receive buffer holds f times the average copies per device, T*K (as a device would
     receive under pft), not f times M1*K2.
     """
-    per_node = cfg.num_experts // num_nodes
-    slots = min(cfg.top_k, per_node)
-    factor = cfg.recv_buffer_factor
+    per_node = num_experts // num_nodes
+    slots = min(top_k, per_node)
+    factor = recv_buffer_factor
     if factor is not None:
-        factor = factor * num_tokens * cfg.top_k / (num_nodes * num_tokens * slots)
-    return dataclasses.replace(
-        cfg,
-        num_experts=per_node,
-        top_k=slots,
-        capacity_factor=None,
-        num_groups=1,
-        topk_groups=1,
-        score_func="softmax",
-        recv_buffer_factor=factor,
-    )
+        factor = factor * num_tokens * top_k / (num_nodes * num_tokens * slots)
+    rows = recv_rows(per_node, slots, num_nodes * num_tokens, local_size, factor=factor)
+    return ExchangeSpec(num_experts=per_node, slots=slots, recv_rows=rows, activation=activation)
 
 
 def rbd_stages(
@@ -74,20 +71,22 @@ def rbd_stages(
     gate_TK: jax.Array,
     keep_TK: jax.Array,
     experts: dict,
-    cfg: MoEConfig,
+    num_experts: int,
+    activation: str,
     *,
     node_axis: str,
     local_axis: str,
     num_nodes: int,
     local_size: int,
     transport: str,
+    recv_buffer_factor: float | None,
 ) -> Stages:
     """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
 
-    Returns (y_TD, stats) at the end.
+    Returns (y_TD, ExchangeStats) at the end.
     """
     num_tokens, top_k = topk_idx_TK.shape
-    per_node = cfg.num_experts // num_nodes
+    per_node = num_experts // num_nodes
     slots = min(top_k, per_node)
     num_send = num_tokens * min(top_k, num_nodes)
     num_recv = num_nodes * num_tokens
@@ -139,7 +138,9 @@ def rbd_stages(
     yield "stage1", (x_pil_MD, w_pil_MS, idx_pil_MS)
 
     # 3. stage 2: PFT inside the node, pilots as tokens; returns each pilot's in-node weighted sum
-    node_cfg = stage2_config(cfg, num_tokens, num_nodes)
+    node_spec = stage2_spec(
+        num_experts, top_k, activation, num_tokens, num_nodes, local_size, recv_buffer_factor
+    )
     gate_MS = jnp.where(keep_MS, w_pil_MS, 0.0)
     pos_MS = expert_positions(jnp.where(keep_MS, idx_pil_MS, per_node), gate_MS, per_node + 1, "position")
     y_pil_MD, stats2 = yield from prefixed(
@@ -151,7 +152,7 @@ def rbd_stages(
             keep_MS,
             pos_MS,
             experts,
-            node_cfg,
+            node_spec,
             axis_name=local_axis,
             num_peers=local_size,
             transport=transport,
@@ -166,12 +167,9 @@ def rbd_stages(
 
     me = jax.lax.axis_index(node_axis)
     row_bytes = x_TD.shape[1] * jnp.dtype(x_TD.dtype).itemsize
-    stats = {
-        "pilot_rows": counts_N.sum(),
-        "inter_node_rows": counts_N.sum() - counts_N[me],
-        "recv_rows": stats2["recv_rows"],
-        "num_overflow": stats2["num_overflow"],
-        "wire_bytes_node": 2 * wire_bytes(plan, me, row_bytes, transport, num_tokens),
-        "wire_bytes": stats2["wire_bytes"],
-    }
+    stats = stats2._replace(
+        pilot_rows=counts_N.sum(),
+        inter_node_rows=counts_N.sum() - counts_N[me],
+        wire_bytes_node=2 * wire_bytes(plan, me, row_bytes, transport, num_tokens),
+    )
     return y_TD.astype(x_TD.dtype), stats

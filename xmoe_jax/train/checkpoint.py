@@ -9,7 +9,8 @@ Each step directory holds three items:
   file per process. Restored only by the same process count: with another count the per-process
   streams differ, so the iterator instead starts at element `step` of this run's own stream (one
   batch per step: as if the run had used this layout from step 1) and a warning is logged.
-* ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`.
+* ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`: a resume is
+  refused only when the model config makes different parameters.
 
 RNG keys: store `jax.random.key_data(key)` (a uint32 array) in the state and rebuild the key with
 `jax.random.wrap_key_data` after restore; typed key arrays are not plain arrays to orbax.
@@ -32,7 +33,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from xmoe_jax.config import CheckpointConfig, Config, to_dict
+from xmoe_jax.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    from_dict,
+    migrate_dict,
+    to_dict,
+)
 
 _ITEMS = ("state", "data", "config")
 log = logging.getLogger("xmoe_jax")
@@ -78,29 +87,53 @@ def _flatten_dotted(tree: Any, prefix: str) -> dict[str, Any]:
 _MISSING = "<absent>"
 
 
-def check_compatible(saved: dict, config: Config) -> None:
-    """Raises `CheckpointError` if the saved config's `model` section differs from `config.model`.
+def _param_layout(model: ModelConfig) -> dict[str, tuple]:
+    """Path -> (shape, dtype) of every parameter and router bias the model config makes."""
+    from xmoe_jax.model.functional import model_spec  # the model is only needed on resume
 
-    Everything else (train.steps, optimizer.*, checkpoint.*, data.*, mesh.*) may change between runs;
-    a mesh change is resharded on restore.
+    spec = model_spec(model)
+    trees = {"params": spec.params_shape, "bias": spec.bias_shape}
+    leaves = jax.tree_util.tree_flatten_with_path(trees)[0]
+    return {_path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
+
+
+def check_compatible(saved: dict, config: Config) -> None:
+    """Raises `CheckpointError` if the saved model config makes other parameters than `config.model`.
+
+    Only what changes the parameters (their paths, shapes or dtypes) is refused, with the differing
+    `model.*` keys named. Other model changes (top_k, capacity, losses, dtypes of compute) are
+    allowed and logged; train, optimizer, checkpoint, data, mesh and parallel (dispatch mode,
+    placement) may change freely: a mesh change is resharded on restore. Configs saved before the
+    `parallel` section existed are read with their placement keys moved there.
     """
     if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
         raise CheckpointError(
             "the saved config has no 'model' section, so it cannot be checked against this run; "
             "use a checkpoint written by xmoe_jax or a new train.run_dir"
         )
+    saved = migrate_dict(saved)
     # A JSON round trip makes the current config comparable with the saved one (tuples -> lists).
     current = json.loads(json.dumps(to_dict(config.model)))
     old = _flatten_dotted(saved["model"], "model")
     new = _flatten_dotted(current, "model")
     diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, _MISSING) != new.get(k, _MISSING)]
-    if diff:
-        was = ", ".join(f"{k}={old.get(k, _MISSING)}" for k in diff)
-        now = ", ".join(f"{k}={new.get(k, _MISSING)}" for k in diff)
+    if not diff:
+        return
+    was = ", ".join(f"{k}={old.get(k, _MISSING)}" for k in diff)
+    now = ", ".join(f"{k}={new.get(k, _MISSING)}" for k in diff)
+    try:
+        saved_model = from_dict(saved["model"], ModelConfig)
+    except ConfigError as e:
         raise CheckpointError(
-            f"checkpoint was written with {was}, this run has {now}; "
+            f"the checkpoint's model config cannot be read by this version ({e}); "
+            "use the version that wrote it, or a new train.run_dir"
+        ) from e
+    if _param_layout(saved_model) != _param_layout(config.model):
+        raise CheckpointError(
+            f"checkpoint was written with {was}, this run has {now}: the parameters differ; "
             "use the same model config or a new train.run_dir"
         )
+    log.warning("resuming with a changed model config (parameters unchanged): was %s, now %s", was, now)
 
 
 def _advance(data_iter: Any, num: int) -> None:

@@ -24,6 +24,7 @@ from xmoe_jax.train import step as tstep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger("xmoe_jax")
 
@@ -94,13 +95,20 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
-    spec = fmodel.model_spec(cfg.model)
+    with jax.set_mesh(mesh):
+        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main)
+
+
+def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
+    ckpt_dir = run_dir / "checkpoints"
+    spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    shardings = tstep.state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
+    shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
     if start is None:
-        state = tstep.init_state(spec, optimizer, cfg, mesh, shardings)
+        state = init_state(spec, optimizer, cfg, mesh, shardings)
     else:
-        state = ckpt.restore(tstep.abstract_state(spec, optimizer, shardings), data_iter, start)
+        abstract = abstract_state(spec, optimizer, shardings)
+        state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, start))
         log.info("resumed from %s at step %d", ckpt_dir, start)
     step_fn = tstep.make_train_step(spec, optimizer, cfg, mesh, shardings)
     data_sh = tstep.batch_sharding(mesh, cfg)
@@ -132,7 +140,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         if overflow:
             msg = (
                 f"step {step}: {overflow} routed token copies did not fit the pft receive buffers "
-                f"(model.moe.recv_buffer_factor={cfg.model.moe.recv_buffer_factor}); raise it, or set it "
+                f"(parallel.recv_buffer_factor={cfg.parallel.recv_buffer_factor}); raise it, or set it "
                 "to null for the worst-case size"
             )
             if cfg.model.moe.capacity_factor is None:  # dropless promises no loss: stop
@@ -173,7 +181,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
                 records.append(record)
                 logger.log(record)
             if ckpt is not None and cfg.checkpoint.enabled:
-                ckpt.save(step, state, data_iter, cfg, force=step == cfg.train.steps)
+                ckpt.save(step, state.as_dict(), data_iter, cfg, force=step == cfg.train.steps)
         if pending is not None:
             check(*pending)
     finally:

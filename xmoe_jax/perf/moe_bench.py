@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xmoe_jax.benchmarking import time_fn
-from xmoe_jax.config import MoEConfig
-from xmoe_jax.hlo_stats import collective_stats
-from xmoe_jax.moe import init_moe_params, moe_layer
+from xmoe_jax.config import MoEConfig, ParallelConfig
+from xmoe_jax.moe import init_moe_params, moe_layer, placement
 from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport
-from xmoe_jax.moe.layer import TOKEN_AXES, expert_specs
+from xmoe_jax.perf.hlo import collective_stats
+from xmoe_jax.perf.timing import time_fn
 from xmoe_jax.sharding import axis_size, exchange_axes
 
 
@@ -48,38 +47,48 @@ def useful_flops(cfg: MoEConfig, dim: int, num_tokens: int) -> float:
     return 3 * 2 * num_tokens * cfg.top_k * mats * dim * cfg.expert_hidden
 
 
-def place_inputs(params, x_TD, cfg: MoEConfig, mesh):
-    """Router replicated, experts over the expert axes, tokens over the data x expert axes."""
+def place_inputs(params, x_TD, parallel: ParallelConfig, mesh):
+    """Router replicated, experts over the expert axes, tokens over the block's token axes."""
     rep = NamedSharding(mesh, PartitionSpec())
     p_sh = {
         "router": jax.tree.map(lambda _: rep, params["router"]),
-        "experts": {k: NamedSharding(mesh, s) for k, s in expert_specs(params["experts"], cfg).items()},
+        "experts": {
+            k: NamedSharding(mesh, s) for k, s in placement.expert_specs(params["experts"], parallel).items()
+        },
     }
-    return jax.device_put(params, p_sh), jax.device_put(x_TD, NamedSharding(mesh, PartitionSpec(TOKEN_AXES)))
+    tokens = NamedSharding(mesh, PartitionSpec(placement.token_axes(parallel)))
+    return jax.device_put(params, p_sh), jax.device_put(x_TD, tokens)
 
 
 def moe_layer_case(
-    cfg: MoEConfig, dim: int, num_tokens: int, mesh, skew: float, dtype=jnp.bfloat16, iters: int = 10
+    cfg: MoEConfig,
+    parallel: ParallelConfig,
+    dim: int,
+    num_tokens: int,
+    mesh,
+    skew: float,
+    dtype=jnp.bfloat16,
+    iters: int = 10,
 ) -> dict:
     params, x_TD = make_inputs(cfg, dim, num_tokens, skew, dtype)
-    params, x_TD = place_inputs(params, x_TD, cfg, mesh)
+    params, x_TD = place_inputs(params, x_TD, parallel, mesh)
     r_TD = jax.random.normal(jax.random.key(1), x_TD.shape, dtype)
 
     def objective(params, x_TD):
-        y_TD, aux = moe_layer(params, x_TD, cfg, mesh=mesh)
-        return jnp.sum(y_TD.astype(jnp.float32) * r_TD.astype(jnp.float32)) + aux["aux_loss"], aux
+        y_TD, stats = moe_layer(params, x_TD, cfg, parallel, mesh=mesh)
+        return jnp.sum(y_TD.astype(jnp.float32) * r_TD.astype(jnp.float32)) + stats.aux_loss, stats
 
-    fwd = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+    fwd = jax.jit(lambda p, x: moe_layer(p, x, cfg, parallel, mesh=mesh))
     train = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
     compiled = train.lower(params, x_TD).compile()
     mem = compiled.memory_analysis()
     coll = collective_stats(compiled.as_text())
-    _, aux = fwd(params, x_TD)
+    _, stats = fwd(params, x_TD)
     t_fwd = time_fn(fwd, params, x_TD, iters=iters)
     t_step = time_fn(compiled, params, x_TD, iters=iters)
     flops = useful_flops(cfg, dim, num_tokens)
     out = {
-        "dispatch": cfg.dispatch,
+        "dispatch": parallel.dispatch,
         "capacity_factor": cfg.capacity_factor,
         "skew": skew,
         "tokens": num_tokens,
@@ -88,17 +97,17 @@ def moe_layer_case(
         "tokens_per_s": num_tokens / t_step,
         "useful_tflops_per_device": flops / t_step / mesh.size / 1e12,
         "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
-        "drop_rate": float(aux["drop_rate"]),
+        "drop_rate": float(stats.drop_rate),
         "collectives": coll,
     }
-    if "wire_bytes" in aux:
-        out["pft_wire_bytes_per_device"] = float(np.mean(np.asarray(aux["wire_bytes"])))
-        out["recv_rows_per_device"] = np.asarray(aux["recv_rows"]).tolist()
-        out["num_overflow"] = int(aux["num_overflow"])
-    if "wire_bytes_node" in aux:  # rbd: stage 1 (node axis), per device
-        out["rbd_node_wire_bytes_per_device"] = float(np.mean(np.asarray(aux["wire_bytes_node"])))
-        out["rbd_inter_node_rows"] = int(np.asarray(aux["inter_node_rows"]).sum())
-        out["rbd_pilot_rows"] = int(np.asarray(aux["pilot_rows"]).sum())
+    if stats.wire_bytes is not None:
+        out["pft_wire_bytes_per_device"] = float(np.mean(np.asarray(stats.wire_bytes)))
+        out["recv_rows_per_device"] = np.asarray(stats.recv_rows).tolist()
+        out["num_overflow"] = int(stats.num_overflow)
+    if stats.wire_bytes_node is not None:  # rbd: stage 1 (node axis), per device
+        out["rbd_node_wire_bytes_per_device"] = float(np.mean(np.asarray(stats.wire_bytes_node)))
+        out["rbd_inter_node_rows"] = int(np.asarray(stats.inter_node_rows).sum())
+        out["rbd_pilot_rows"] = int(np.asarray(stats.pilot_rows).sum())
     return out
 
 

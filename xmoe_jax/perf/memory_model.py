@@ -25,7 +25,7 @@ recomputes cheap ones, so the peak is one stage's working set, not the inventory
 sum. It is the larger of two stages (n = expert matrices: 3 SwiGLU, 2 GELU):
 
   experts, backward of the last expert GEMM. The `xla` grouped GEMM of
-  xmoe_jax.pallas (`ragged_dot` / `ragged_dot_general`: the backend on CPU) is
+  xmoe_jax.kernels (`ragged_dot` / `ragged_dot_general`: the backend on CPU) is
   lowered densely, every operand expanded to one masked copy per local expert:
     GEMM workspace    2 * L*M*D + 2n * L*M*F (masked gradient / hidden copies);
     expert hidden     (n + 1) * M*F (hidden recomputed per matrix, activation, gradient);
@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xmoe_jax.config import MoEConfig
+from xmoe_jax.config import MeshShape, MoEConfig, ParallelConfig
 from xmoe_jax.moe.pft import recv_rows
 
 GROUPED_GEMMS = ("ragged_dot", "kernel")
@@ -78,16 +78,22 @@ class LayerShapes:
     itemsize: int
 
 
-def layer_shapes(cfg: MoEConfig, dim: int, num_tokens: int, mesh_shape: dict, itemsize: int) -> LayerShapes:
-    """Per-device shapes for `num_tokens` tokens on a mesh of `mesh_shape` {axis: size}."""
-    data, peers, tp = (mesh_shape.get(a, 1) for a in ("data", "expert", "tensor"))
-    shards = data * peers * (tp if cfg.ssmb else 1)
+def layer_shapes(
+    cfg: MoEConfig, parallel: ParallelConfig, dim: int, num_tokens: int, mesh_shape: MeshShape, itemsize: int
+) -> LayerShapes:
+    """Per-device shapes for `num_tokens` tokens on a mesh of `mesh_shape`."""
+    data, peers, tp = mesh_shape.data, mesh_shape.expert, mesh_shape.tensor
+    shards = data * peers * (tp if parallel.ssmb else 1)
     if num_tokens % shards:
         raise ValueError(f"{num_tokens} tokens are not divisible by the {shards} token shards")
     tokens = num_tokens // shards
-    hidden = cfg.expert_hidden // tp if cfg.expert_tensor_parallel else cfg.expert_hidden
+    hidden = cfg.expert_hidden // tp if parallel.expert_tensor_parallel else cfg.expert_hidden
     routed = tokens * cfg.top_k
-    recv = recv_rows(cfg, tokens, peers) if peers > 1 else routed
+    capacity = cfg.capacity(tokens) if cfg.capacity_factor is not None else None
+    if peers > 1:
+        recv = recv_rows(cfg.num_experts, cfg.top_k, tokens, peers, capacity, parallel.recv_buffer_factor)
+    else:
+        recv = routed
     return LayerShapes(
         tokens=tokens,
         routed=routed,
@@ -179,15 +185,16 @@ class Estimate:
 
 def pft_estimate(
     cfg: MoEConfig,
+    parallel: ParallelConfig,
     dim: int,
     num_tokens: int,
-    mesh_shape: dict,
+    mesh_shape: MeshShape,
     itemsize: int = 2,
     grouped_gemm: str = "ragged_dot",
     transport: str = "emulated",
 ) -> Estimate:
-    """Activation memory of one pft layer per device (`mesh_shape`: {"data", "expert", "tensor"} sizes)."""
-    s = layer_shapes(cfg, dim, num_tokens, mesh_shape, itemsize)
+    """Activation memory of one pft layer per device."""
+    s = layer_shapes(cfg, parallel, dim, num_tokens, mesh_shape, itemsize)
     work = stages(s, grouped_gemm, transport)
     top = max(work, key=lambda k: sum(work[k].values()))
     return Estimate(
@@ -198,17 +205,24 @@ def pft_estimate(
     )
 
 
-def padded_buffers(cfg: MoEConfig, dim: int, num_tokens: int, mesh_shape: dict, itemsize: int = 2) -> dict:
+def padded_buffers(
+    cfg: MoEConfig,
+    parallel: ParallelConfig,
+    dim: int,
+    num_tokens: int,
+    mesh_shape: MeshShape,
+    itemsize: int = 2,
+) -> dict:
     """Ideal per-device forward buffers of the capacity baseline: {stage: bytes}.
 
     Capacity C = ceil(cf * T_all * K / E) from the whole batch (dropless: C = T_all); the
     [E, C, D] buffers split over the expert axis, tokens over data x expert (x tensor under
     SSMB). The partitioner is free to do worse; compare with the compiled figure.
     """
-    data, peers, tp = (mesh_shape.get(a, 1) for a in ("data", "expert", "tensor"))
-    tokens = num_tokens // (data * peers * (tp if cfg.ssmb else 1))
+    data, peers, tp = mesh_shape.data, mesh_shape.expert, mesh_shape.tensor
+    tokens = num_tokens // (data * peers * (tp if parallel.ssmb else 1))
     cap = cfg.capacity(num_tokens) if cfg.capacity_factor is not None else num_tokens
-    hidden = cfg.expert_hidden // tp if cfg.expert_tensor_parallel else cfg.expert_hidden
+    hidden = cfg.expert_hidden // tp if parallel.expert_tensor_parallel else cfg.expert_hidden
     slots = math.ceil(cfg.num_experts / peers) * cap
     n = 3 if cfg.activation == "swiglu" else 2
     a_d = tokens * cfg.top_k * dim
@@ -218,13 +232,6 @@ def padded_buffers(cfg: MoEConfig, dim: int, num_tokens: int, mesh_shape: dict, 
         "experts": (n * slots * hidden + slots * dim) * itemsize,
         "combine": (slots * dim + a_d) * itemsize + a_d * 4 + tokens * dim * 4,
     }
-
-
-def mesh_sizes(mesh) -> dict:
-    """{"data", "expert", "tensor"} sizes of a jax Mesh (1 for a missing axis)."""
-    shape = {a: int(mesh.shape[a]) if a in mesh.shape else 1 for a in ("data", "expert", "tensor")}
-    shape["expert"] *= int(mesh.shape.get("expert_node", 1))  # the whole expert-parallel group
-    return shape
 
 
 def relative_error(estimate: float, measured: float) -> float:

@@ -5,14 +5,14 @@ each variant below is compiled as a jitted forward+backward of one MoE layer (an
 optionally, of a whole model), and read back:
   memory:      `compiled.memory_analysis()` per device: temp (activations and
                workspace), arguments, outputs; peak = their sum less aliasing;
-  model:       the analytic estimate of xmoe_jax.moe.memory_model (pft variants:
+  model:       the analytic estimate of xmoe_jax.perf.memory_model (pft variants:
                forward+backward peak; padded: ideal buffer inventory);
   collectives: ops and the bytes of their results in the optimized HLO
-               (xmoe_jax.hlo_stats.collective_stats), per device; collectives over
+               (xmoe_jax.perf.hlo.collective_stats), per device; collectives over
                one-device groups (psums over size-1 axes) are left out;
-  time:        on GPU, the median step time (xmoe_jax.benchmarking.time_fn).
+  time:        on GPU, the median step time (xmoe_jax.perf.timing.time_fn).
 
-Variants (`VARIANTS`; each one a set of MoEConfig overrides):
+Variants (`VARIANTS`; each one a set of ParallelConfig overrides):
   pft+ssmb     manual: pft inside shard_map, tokens split over data x expert x tensor;
   pft          manual: pft inside shard_map, tokens replicated over tensor (no SSMB);
   pft+etp      manual: expert-tensor parallel (each expert's F split over tensor);
@@ -39,14 +39,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax import sharding
-from xmoe_jax.benchmarking import time_fn
-from xmoe_jax.config import ModelConfig, MoEConfig
-from xmoe_jax.hlo_stats import collective_stats
+from xmoe_jax.config import ModelConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer
-from xmoe_jax.moe import memory_model as mm
 from xmoe_jax.moe.exchange import resolve_transport
-from xmoe_jax.moe.layer import EXPERT_AXES
+from xmoe_jax.moe.params import EXPERT_AXES
 from xmoe_jax.pallas import default_implementation
+from xmoe_jax.perf import memory_model as mm
+from xmoe_jax.perf.hlo import collective_stats
+from xmoe_jax.perf.timing import time_fn
 
 MiB = 2**20
 
@@ -70,8 +70,8 @@ VARIANTS = {
 DEFAULT_VARIANTS = ("pft+ssmb", "pft", "pft+etp", "pft-auto", "padded-auto")
 
 
-def variant_config(cfg: MoEConfig, variant: Variant) -> MoEConfig:
-    return dataclasses.replace(cfg, **variant.overrides)
+def variant_parallel(parallel: ParallelConfig, variant: Variant) -> ParallelConfig:
+    return dataclasses.replace(parallel, **variant.overrides)
 
 
 def _memory(compiled) -> dict:
@@ -99,9 +99,9 @@ def _collectives(compiled) -> dict:
     }
 
 
-def _layer_shardings(cfg: MoEConfig, params, mesh: Mesh):
+def _layer_shardings(parallel: ParallelConfig, params, mesh: Mesh):
     """Expert weights over expert (F over tensor with expert-TP), the rest replicated."""
-    rules = sharding.param_rules(expert_tensor_parallel=cfg.expert_tensor_parallel)
+    rules = sharding.param_rules(expert_tensor_parallel=parallel.expert_tensor_parallel)
     rep = NamedSharding(mesh, PartitionSpec())
     out = jax.tree.map(lambda _: rep, params)
     out["experts"] = {
@@ -110,20 +110,23 @@ def _layer_shardings(cfg: MoEConfig, params, mesh: Mesh):
     return out
 
 
-def estimate(cfg: MoEConfig, dim: int, num_tokens: int, mesh: Mesh, itemsize: int) -> int | None:
+def estimate(
+    cfg: MoEConfig, parallel: ParallelConfig, dim: int, num_tokens: int, mesh: Mesh, itemsize: int
+) -> int | None:
     """The memory model's figure for this variant (None where it has none)."""
-    sizes = mm.mesh_sizes(mesh)
-    if cfg.dispatch == "pft" and not cfg.auto_shard:
+    sizes = sharding.mesh_shape(mesh)
+    if parallel.dispatch == "pft" and not parallel.auto_shard:
         gemm = "ragged_dot" if default_implementation("gmm") == "xla" else "kernel"
-        transport = resolve_transport(cfg.transport)
-        return mm.pft_estimate(cfg, dim, num_tokens, sizes, itemsize, gemm, transport).peak
-    if cfg.dispatch == "padded":
-        return sum(mm.padded_buffers(cfg, dim, num_tokens, sizes, itemsize).values())
+        transport = resolve_transport(parallel.transport)
+        return mm.pft_estimate(cfg, parallel, dim, num_tokens, sizes, itemsize, gemm, transport).peak
+    if parallel.dispatch == "padded":
+        return sum(mm.padded_buffers(cfg, parallel, dim, num_tokens, sizes, itemsize).values())
     return None
 
 
 def layer_case(
     cfg: MoEConfig,
+    parallel: ParallelConfig,
     dim: int,
     num_tokens: int,
     mesh: Mesh,
@@ -133,13 +136,13 @@ def layer_case(
 ) -> dict:
     """Compiles one MoE layer forward+backward for `cfg` on `mesh` and reads it back."""
     params = jax.eval_shape(lambda: init_moe_params(jax.random.key(0), dim, cfg, dtype=dtype))
-    p_sh = _layer_shardings(cfg, params, mesh)
+    p_sh = _layer_shardings(parallel, params, mesh)
     x_sh = sharding.named_sharding(mesh, ("tokens", "embed"), (num_tokens, dim), sharding.ACTIVATION_RULES)
 
     def objective(params, x_TD, r_TD):
-        y_TD, aux = moe_layer(params, x_TD, cfg, mesh=mesh)
+        y_TD, stats = moe_layer(params, x_TD, cfg, parallel, mesh=mesh)
         y_TD = sharding.constrain(y_TD, mesh, ("tokens", "embed"))  # back to the model's layout
-        return jnp.sum(y_TD.astype(jnp.float32) * r_TD.astype(jnp.float32)) + aux["aux_loss"]
+        return jnp.sum(y_TD.astype(jnp.float32) * r_TD.astype(jnp.float32)) + stats.aux_loss
 
     step = jax.jit(
         jax.value_and_grad(objective, argnums=(0, 1)),
@@ -149,7 +152,7 @@ def layer_case(
     x_abs = jax.ShapeDtypeStruct((num_tokens, dim), dtype)
     compiled = step.lower(params, x_abs, x_abs).compile()
     out = {**_memory(compiled), **_collectives(compiled)}
-    out["model_bytes"] = estimate(cfg, dim, num_tokens, mesh, jnp.dtype(dtype).itemsize)
+    out["model_bytes"] = estimate(cfg, parallel, dim, num_tokens, mesh, jnp.dtype(dtype).itemsize)
     if time_it:
         kp, kx, kr = jax.random.split(jax.random.key(0), 3)
         p = jax.device_put(init_moe_params(kp, dim, cfg, std=0.02, dtype=dtype), p_sh)
@@ -160,20 +163,28 @@ def layer_case(
 
 
 def model_case(
-    model_cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, time_it: bool = False, iters: int = 5
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    mesh: Mesh,
+    batch: int,
+    seq_len: int,
+    time_it: bool = False,
+    iters: int = 5,
 ) -> dict:
     """Compiles a whole model's loss forward+backward (no optimizer) and reads it back."""
     from xmoe_jax.model import functional as fmodel
+    from xmoe_jax.train.step import stack_layers
 
-    spec = fmodel.model_spec(model_cfg)
+    spec = fmodel.model_spec(model_cfg, parallel)
     p_sh, b_sh = fmodel.shardings(spec, mesh)
     tok_sh = sharding.named_sharding(mesh, ("batch", "seq"), (batch, seq_len), sharding.ACTIVATION_RULES)
 
     def loss(params, bias, tokens_BS):
-        logits_BSV, aux = fmodel.apply(spec, params, bias, tokens_BS, mesh)
+        logits_BSV, stats = fmodel.apply(spec, params, bias, tokens_BS)
         logp = jax.nn.log_softmax(logits_BSV, axis=-1)
         ce = -jnp.take_along_axis(logp, jnp.roll(tokens_BS, -1, axis=1)[..., None], axis=-1).mean()
-        return ce + (aux["aux_loss"].sum() if aux else 0.0)
+        stacked = stack_layers(stats)
+        return ce + (stacked.aux_loss.sum() if stacked else 0.0)
 
     step = jax.jit(
         jax.value_and_grad(loss),
@@ -181,7 +192,8 @@ def model_case(
         out_shardings=(NamedSharding(mesh, PartitionSpec()), p_sh),
     )
     tok_abs = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    compiled = step.lower(spec.params_shape, spec.bias_shape, tok_abs).compile()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(spec.params_shape, spec.bias_shape, tok_abs).compile()
     out = {**_memory(compiled), **_collectives(compiled)}
     if time_it:
         params, bias = fmodel.init_params(spec, jax.random.key(0), mesh)
@@ -205,11 +217,14 @@ def compare(
     seq_len: int | None = None,
     sequence_parallel: bool = False,
     on_row=None,
+    parallel: ParallelConfig | None = None,
 ) -> list[dict]:
     """One row per variant (and per variant a `model` row when `model_cfg` is given).
 
+    Each variant overrides the placement of `parallel` (transport and receive buffers stay).
     `on_row(row)` is called as each row is done (progress output for long compiles).
     """
+    parallel = parallel or ParallelConfig()
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
@@ -222,13 +237,14 @@ def compare(
 
     for name in variants:
         variant = VARIANTS[name]
-        vcfg = variant_config(cfg, variant)
+        vpar = variant_parallel(parallel, variant)
         row = {"variant": name, "scope": "layer", "placement": variant.placement}
-        add({**row, **layer_case(vcfg, dim, num_tokens, mesh, dtype, time_it)})
+        add({**row, **layer_case(cfg, vpar, dim, num_tokens, mesh, dtype, time_it)})
         if model_cfg is not None:
-            mcfg = dataclasses.replace(model_cfg, moe=vcfg, sequence_parallel=sequence_parallel)
+            mcfg = dataclasses.replace(model_cfg, moe=cfg)
+            mpar = dataclasses.replace(vpar, sequence_parallel=sequence_parallel)
             row = {"variant": name, "scope": "model", "placement": variant.placement}
-            add({**row, **model_case(mcfg, mesh, batch, seq_len, time_it)})
+            add({**row, **model_case(mcfg, mpar, mesh, batch, seq_len, time_it)})
     return rows
 
 

@@ -1,0 +1,126 @@
+"""The dispatch modes, one table: how routed copies reach their experts and come back.
+
+Shapes: T tokens, D model, K top-k, E experts.
+
+Each entry turns (x_TD, kept copies, expert weights) into a stage generator
+(stages.py) whose result is (y_TD, ExchangeStats or None), and says whether it runs
+per device inside the block's shard_map (placement.py) or on the whole batch under
+XLA's partitioner. Adding a dispatch mode means adding one entry here (and its name
+to `config.Dispatch`).
+
+| mode   | what                                                              | placement   | module     |
+|--------|-------------------------------------------------------------------|-------------|------------|
+| dense  | every expert on every token, masked: the numerical oracle         | partitioner | dense.py   |
+| padded | capacity baseline: [E, C, D] buffers, batched experts             | partitioner | padded.py  |
+| pft    | padding-free: expert-major flat buffer, ragged exchange, grouped GEMMs | shard_map | pft.py  |
+| rbd    | two-stage: one pilot per (token, node) across nodes, pft inside    | shard_map   | rbd.py     |
+
+`parallel.auto_shard` runs pft's algorithm under the partitioner instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from xmoe_jax import sharding
+from xmoe_jax.config import MoEConfig, ParallelConfig
+from xmoe_jax.moe.dense import dense_dispatch
+from xmoe_jax.moe.exchange import resolve_transport
+from xmoe_jax.moe.padded import padded_dispatch
+from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
+from xmoe_jax.moe.rbd import rbd_stages
+from xmoe_jax.moe.stages import Stages
+
+
+def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
+    y_TD = dense_dispatch(x_TD, kept.topk_idx_TK, kept.gate_TK, experts, cfg.activation, place.constrain)
+    yield "experts", (y_TD,)
+    return y_TD, None
+
+
+def _padded(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
+    # dropless padded needs room for every token at one expert: C = T
+    cap = kept.capacity if kept.capacity is not None else x_TD.shape[0]
+    y_TD = padded_dispatch(
+        x_TD,
+        kept.topk_idx_TK,
+        kept.gate_TK,
+        kept.keep_TK,
+        kept.pos_TK,
+        cap,
+        experts,
+        cfg.activation,
+        place.constrain,
+    )
+    yield "experts", (y_TD,)
+    return y_TD, None
+
+
+def _pft(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
+    axes = sharding.exchange_axes(place.mesh) if place.sharded else None
+    peers = sharding.axis_size(place.mesh, axes) if axes else 1
+    rows = recv_rows(
+        cfg.num_experts, cfg.top_k, x_TD.shape[0], peers, kept.capacity, parallel.recv_buffer_factor
+    )
+    spec = ExchangeSpec(cfg.num_experts, cfg.top_k, rows, cfg.activation)
+    return (
+        yield from pft_stages(
+            x_TD,
+            kept.topk_idx_TK,
+            kept.gate_TK,
+            kept.keep_TK,
+            kept.pos_TK,
+            experts,
+            spec,
+            axis_name=axes,
+            num_peers=peers,
+            transport=resolve_transport(parallel.transport),
+        )
+    )
+
+
+def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
+    if not place.sharded:  # one device: no nodes to bypass
+        return (yield from _pft(x_TD, kept, experts, cfg, parallel, place))
+    node_axis, local_axis = sharding.EXPERT_AXES
+    num_nodes, local_size = sharding.expert_layout(place.mesh)
+    return (
+        yield from rbd_stages(
+            x_TD,
+            kept.topk_idx_TK,
+            kept.gate_TK,
+            kept.keep_TK,
+            experts,
+            cfg.num_experts,
+            cfg.activation,
+            node_axis=node_axis,
+            local_axis=local_axis,
+            num_nodes=num_nodes,
+            local_size=local_size,
+            transport=resolve_transport(parallel.transport),
+            recv_buffer_factor=parallel.recv_buffer_factor,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Dispatcher:
+    """One dispatch mode: its stages, where it runs, and the exchange statistics it reports."""
+
+    stages: Callable[..., Stages]  # (x_TD, kept, experts, cfg, parallel, place) -> Stages
+    shard_map: bool  # per device inside the block's shard_map (else the whole batch, partitioner)
+    exchange_fields: tuple[str, ...] = ()  # ExchangeStats fields it fills in
+
+
+_PFT_FIELDS = ("num_overflow", "recv_rows", "wire_bytes")
+DISPATCHERS: dict[str, Dispatcher] = {
+    "dense": Dispatcher(_dense, shard_map=False),
+    "padded": Dispatcher(_padded, shard_map=False),
+    "pft": Dispatcher(_pft, shard_map=True, exchange_fields=_PFT_FIELDS),
+    "rbd": Dispatcher(
+        _rbd,
+        shard_map=True,
+        exchange_fields=(*_PFT_FIELDS, "pilot_rows", "inter_node_rows", "wire_bytes_node"),
+    ),
+}

@@ -1,0 +1,80 @@
+"""The train state: one dataclass shared by the step, the loop and the checkpoints.
+
+    step    int32 []             optimizer steps applied
+    params  Param pytree         float32 master weights (what the optimizer updates)
+    bias    RouterBias pytree    selection-only router biases (aux-loss-free balancing)
+    opt     optax state          moments follow their params' sharding
+    rng     uint32 key data      `jax.random.key_data` (typed keys are not plain arrays to orbax)
+
+Checkpoints hold `as_dict()` (the plain-dict layout every earlier version wrote), so
+old checkpoints restore into this class unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xmoe_jax.config import Config
+from xmoe_jax.model import functional as fmodel
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    step: Any
+    params: Any
+    bias: Any
+    opt: Any
+    rng: Any
+
+    def as_dict(self) -> dict:
+        """The checkpoint layout."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, tree: dict) -> TrainState:
+        return cls(**tree)
+
+    def replace(self, **changes) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+def state_shardings(spec: fmodel.ModelSpec, optimizer, mesh: Mesh, fsdp: bool = False) -> TrainState:
+    """NamedShardings of the whole train state; optimizer moments follow their params."""
+    params_sh, bias_sh = fmodel.shardings(spec, mesh, fsdp)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shape = jax.eval_shape(optimizer.init, spec.params_shape)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_shape, params_sh, transform_non_params=lambda _: replicated
+    )
+    return TrainState(step=replicated, params=params_sh, bias=bias_sh, opt=opt_sh, rng=replicated)
+
+
+def abstract_state(spec: fmodel.ModelSpec, optimizer, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs (with shardings) of the train state: restore targets."""
+    shapes = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=spec.params_shape,
+        bias=spec.bias_shape,
+        opt=jax.eval_shape(optimizer.init, spec.params_shape),
+        rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+    )
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init_state(
+    spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, shardings: TrainState
+) -> TrainState:
+    key = jax.random.key(cfg.train.seed)
+    init_key, rng = jax.random.split(key)
+    params, bias = fmodel.init_params(spec, init_key, mesh, cfg.mesh.fsdp)
+    opt = jax.jit(optimizer.init, out_shardings=shardings.opt)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    rng = jax.device_put(jax.random.key_data(rng), shardings.rng)
+    return TrainState(step=step, params=params, bias=bias, opt=opt, rng=rng)
