@@ -15,7 +15,7 @@
 #                                          #   1.25), then 2 nodes x 1 (worst-case buffer) beside 1 GPU
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results_<part>.tgz (JSON + logs) and a summary on stdout.
-# Needs grain/jax-triton wheels in .whl (README "Benchmarks").
+# Needs grain/jax-triton wheels in .whl (benchmarks/README.md, "Running").
 set -u
 source scripts/gpu_env.sh
 R=/tmp/results; mkdir -p "$R"
