@@ -7,8 +7,9 @@
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
 
-Also the launch flags (`add_cli_flags`, `initialize_from_args`), shared with
-`scripts/launch_plan.py`; what they resolve to is `xmoe_jax.distributed`'s business.
+The launch flags (`add_cli_flags`) and the call that turns them into a started job
+(`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
+XMOE_* variables and SLURM combine is `xmoe_jax.distributed`'s rule.
 """
 
 from __future__ import annotations
