@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 3 GPU measurements in one device call. Usage (from the repo root on the GPU machine):
+# The GPU measurements of benchmarks/pft.md in one device call. Usage (repo root, GPU machine):
 #   bash scripts/gpu_bench_pft.sh h100   # 1 GPU: MoE layer (pft vs padded vs dense) + pft train step
 #   bash scripts/gpu_bench_pft.sh ep2    # 2 GPUs: MoE layer with EP=2 under two ragged all-to-all presets
-# Writes JSON and logs under ${OUT:-/tmp/out}. Needs grain/jax-triton wheels in .whl (see README).
+# Writes JSON and logs under ${OUT:-/tmp/out}. Needs grain/jax-triton wheels in .whl
+# (benchmarks/README.md, "Running").
 set -u
 source scripts/gpu_env.sh
 case "${1:-h100}" in

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issues 5, 6 and 8 GPU measurements on one 4-GPU host, in one device call. Usage (repo root, GPU machine):
+# The GPU runs of benchmarks/rbd.md, four_gpu.md and compare_sharding_gpu.md on one 4-GPU host,
+# in one device call. Usage (repo root, GPU machine):
 #   bash scripts/gpu_bench_rbd.sh layers   # MoE layer, pft/rbd/padded + per-stage times:
 #                                          #   GPUs 0,1 as 2 single-GPU nodes, alongside compare_sharding.py
 #                                          #   (TP=2) on GPUs 2,3; then all 4 GPUs as 2 nodes x 2
@@ -14,7 +15,7 @@
 #                                          #   1.25), then 2 nodes x 1 (worst-case buffer) beside 1 GPU
 # Each part has its own time limit, so a slow or hung part cannot take the others' results with it.
 # Everything lands in ${OUT:-/tmp/out}/results_<part>.tgz (JSON + logs) and a summary on stdout.
-# Needs grain/jax-triton wheels in .whl (README "Benchmarks").
+# Needs grain/jax-triton wheels in .whl (benchmarks/README.md, "Running").
 set -u
 source scripts/gpu_env.sh
 R=/tmp/results; mkdir -p "$R"

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from xmoe_jax import distributed
+from xmoe_jax import cli, distributed, slurm
 from xmoe_jax.config import ConfigError
 
 
@@ -25,7 +25,7 @@ def slurm_env(
     nodelist: str, tasks_per_node: int, pid: int, gpus_per_task: int | None, gpus_per_node: int | None
 ):
     """The variables srun sets for task `pid` (block distribution) that the plan reads."""
-    hosts = distributed.expand_hostlist(nodelist)
+    hosts = slurm.expand_hostlist(nodelist)
     node_id, local_id = divmod(pid, tasks_per_node)
     env = {
         "SLURM_JOB_ID": "1234567",
@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--gpus-per-task", type=int, help="as srun --gpus-per-task (binds GPUs per task)")
     sim.add_argument("--gpus-per-node", type=int, help="GPUs per node when tasks are not bound")
     sim.add_argument("--port", type=int, help="coordinator port (as XMOE_COORDINATOR_PORT)")
-    distributed.add_cli_flags(ap)
+    cli.add_cli_flags(ap)
     args = ap.parse_args(argv)
     try:
         if args.nodelist:
-            num = len(distributed.expand_hostlist(args.nodelist)) * args.tasks_per_node
+            num = len(slurm.expand_hostlist(args.nodelist)) * args.tasks_per_node
             envs = [
                 slurm_env(args.nodelist, args.tasks_per_node, pid, args.gpus_per_task, args.gpus_per_node)
                 for pid in range(num)

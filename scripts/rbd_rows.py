@@ -28,7 +28,7 @@ from xmoe_jax.sharding import make_mesh
 
 def cost_table() -> list[dict]:
     rows = []
-    for name in ("large", "super"):  # both E=256, k=8 (DESIGN.md section 4)
+    for name in ("large", "super"):  # both E=256, k=8 (docs/design.md#model-table)
         for ep in (16, 32, 64, 128, 256):
             nodes = ep // 8
             rows.append(

@@ -1,8 +1,9 @@
 """Independent NumPy float64 references for routing, capacity, the MoE layer and attention.
 
-Written from the published definitions (DESIGN.md section 2), not from the library code, and
-deliberately loop-based where that makes the definition obvious. Shapes use the library's
-suffix legend: T tokens, D model, E experts, K top-k, F expert hidden, S sequence, H heads.
+Written from the published definitions (docs/design.md#routers; capacity: docs/design.md#pft),
+not from the library code, and deliberately loop-based where that makes the definition obvious.
+Shapes use the library's suffix legend: T tokens, D model, E experts, K top-k, F expert hidden,
+S sequence, H heads.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ import sys
 import jax
 import pytest
 
-from xmoe_jax import distributed
+from xmoe_jax import cli, distributed
 from xmoe_jax.config import ConfigError, DataConfig, load_config
 from xmoe_jax.data import make_input
-from xmoe_jax.distributed import DistributedError, expand_hostlist, plan
+from xmoe_jax.distributed import DistributedError, plan
+from xmoe_jax.slurm import expand_hostlist
 from xmoe_jax.train.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -143,9 +144,9 @@ def test_initialize_after_jax_started_is_refused():
 
 def test_no_distributed_flag_conflicts_with_explicit_launch():
     ap = argparse.ArgumentParser()
-    distributed.add_cli_flags(ap)
+    cli.add_cli_flags(ap)
     with pytest.raises(DistributedError, match="conflicts"):
-        distributed.initialize_from_args(ap.parse_args(["--no-distributed", "--num-processes", "2"]))
+        cli.initialize_from_args(ap.parse_args(["--no-distributed", "--num-processes", "2"]))
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ def _model(name: str) -> ModelConfig:
     [("small", 10.06), ("medium", 55.23), ("large", 201.36), ("super", 545.43)],
 )
 def test_paper_units_match_xmoe_table(name: str, expected: float) -> None:
-    # DESIGN.md section 4: L*(4H^2 + E*2*H*F) / 2^30.
+    # docs/design.md#model-table: L*(4H^2 + E*2*H*F) / 2^30.
     assert round(paper_units(_model(name)), 2) == expected
 
 

@@ -142,7 +142,7 @@ def test_expert_nodes_must_divide_expert():
 
 
 def test_cost_model_matches_design_figures():
-    # DESIGN.md: E=256, k=8, 8 GPUs per node: 75% at EP16, 55% at EP32, 34% at EP64
+    # docs/design.md#rbd: E=256, k=8, 8 GPUs per node: 75% at EP16, 55% at EP32, 34% at EP64
     assert round(uniform_saving(256, 8, 2), 2) == 0.75
     assert round(uniform_saving(256, 8, 4), 2) == 0.55
     assert round(uniform_saving(256, 8, 8), 2) == 0.34

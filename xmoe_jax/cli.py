@@ -6,12 +6,17 @@
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
+
+The launch flags (`add_cli_flags`) and the call that turns them into a started job
+(`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
+XMOE_* variables and SLURM combine is `xmoe_jax.distributed`'s rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from xmoe_jax import distributed
@@ -34,6 +39,46 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """The launch flags of `xmoe-train` (all optional; SLURM is detected without them)."""
+    g = parser.add_argument_group("multi-process (default: detect SLURM srun steps, else one process)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env XMOE_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="total processes (env XMOE_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (env XMOE_PROCESS_ID)")
+    g.add_argument(
+        "--local-device-ids", metavar="0,1", help="devices this process uses (env XMOE_LOCAL_DEVICE_IDS)"
+    )
+    g.add_argument(
+        "--init-timeout",
+        type=int,
+        metavar="S",
+        help="seconds to wait for all processes "
+        f"(env XMOE_INIT_TIMEOUT, default {distributed.DEFAULT_TIMEOUT_S})",
+    )
+    g.add_argument(
+        "--no-distributed",
+        action="store_true",
+        help="one process: ignore SLURM and XMOE_* launch variables (env XMOE_DISTRIBUTED=0)",
+    )
+
+
+def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
+    """`distributed.initialize()` from the flags of `add_cli_flags`; `--no-distributed` forces one process."""
+    off = args.no_distributed or os.environ.get("XMOE_DISTRIBUTED", "1").lower() in ("0", "false", "no")
+    if off and (args.coordinator or args.num_processes or args.process_id is not None):
+        raise distributed.DistributedError(
+            "--no-distributed conflicts with --coordinator/--num-processes/--process-id"
+        )
+    return distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        args.local_device_ids,
+        args.init_timeout,
+        auto=not off,
+    )
+
+
 def _fail(err: Exception) -> int:
     print(f"error: {err}", file=sys.stderr)
     return 2
@@ -44,7 +89,7 @@ def train_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--resume", action="store_true", help="continue the run in train.run_dir from its latest checkpoint"
     )
-    distributed.add_cli_flags(p)
+    add_cli_flags(p)
     args = p.parse_args(argv)
     from xmoe_jax.xla_flags import apply_defaults
 
@@ -57,7 +102,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        launch = distributed.initialize_from_args(args)  # before any other JAX use
+        launch = initialize_from_args(args)  # before any other JAX use
         distributed.quiet_unless_main(launch)
         result = train(cfg, resume=args.resume)
     except (ConfigError, CheckpointError, TrainingError) as err:
