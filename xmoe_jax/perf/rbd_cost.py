@@ -3,7 +3,7 @@
 Without RBD every routed copy whose expert lives on another node crosses the node
 axis. With RBD one pilot per (token, destination node) crosses instead, so the rows
 per token fall from K to the number of distinct nodes among its K experts.
-Saving = 1 - E[#distinct nodes] / K (DESIGN.md section 1).
+Saving = 1 - E[#distinct nodes] / K (docs/design.md#rbd).
 
 Under uniform routing (K distinct experts drawn without replacement from E, E/N
 per node), node n is hit unless all K picks avoid it:
