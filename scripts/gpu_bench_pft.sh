@@ -12,7 +12,7 @@ case "${1:-h100}" in
       --skews 0,1.0 --out "$OUT/moe_layer_1gpu.json" > "$OUT/moe_layer_1gpu.log" 2>&1
     tail -12 "$OUT/moe_layer_1gpu.log"
     python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
-      --set model.moe.dispatch=pft --set model.moe.capacity_factor=null --steps 30 \
+      --set parallel.dispatch=pft --set model.moe.capacity_factor=null --steps 30 \
       --out "$OUT/train_step_pft.json" > "$OUT/train_step_pft.log" 2>&1
     grep -E "step +30|tokens_per_s|mfu|ratio" "$OUT/train_step_pft.log" ;;
   ep2)

@@ -25,7 +25,7 @@ train() {
   local name=$1 limit=$2 dispatch=$3 cf=$4; shift 4
   timeout "$limit" python3 scripts/bench_train_step.py --config configs/tiny_small_shape.yaml \
     --set mesh.data=1 --set mesh.expert=4 --set mesh.expert_nodes=2 --set model.num_layers=2 \
-    --set train.batch_size=32 --set model.moe.dispatch="$dispatch" --set model.moe.capacity_factor="$cf" "$@" \
+    --set train.batch_size=32 --set parallel.dispatch="$dispatch" --set model.moe.capacity_factor="$cf" "$@" \
     --steps 24 --out "$R/$name.json" > "$R/$name.log" 2>&1
   echo "== $name"; grep -E '"(tokens_per_s|mfu_vs_datasheet|tflops_per_device|final_loss)"|Error|overflow' \
     "$R/$name.log" | tail -6
@@ -57,7 +57,7 @@ case "${1:-layers}" in
       echo "== transport $t recv_buffer_factor $f"; grep -v '^{' "$R/layer_2nodes_x2_${t}_rbf$f.log" | tail -8
     done; done
     for name in pft rbd; do
-      train "train_2nodes_x2_${name}_emulated" 100 $name null --set model.moe.transport=emulated
+      train "train_2nodes_x2_${name}_emulated" 100 $name null --set parallel.transport=emulated
     done ;;
   buffer)
     for layout in x2 x1; do
@@ -68,7 +68,7 @@ case "${1:-layers}" in
       echo "== 2 nodes $layout, recv_buffer_factor 1.25"; grep -v '^{' "$R/layer_2nodes_${layout}_rbf1.25.log" | tail -7
     done
     for name in pft rbd; do
-      train "train_2nodes_x2_${name}_rbf1.25" 100 $name null --set model.moe.recv_buffer_factor=1.25
+      train "train_2nodes_x2_${name}_rbf1.25" 100 $name null --set parallel.recv_buffer_factor=1.25
     done ;;
   rerun)
     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 $LAYER --modes pft,padded:1.25 --stages pft \
@@ -83,7 +83,7 @@ case "${1:-layers}" in
     done
     for mode in padded:1.25 pft:null rbd:null; do
       name=${mode%%:*}; rbf=$([ $name = padded ] && echo null || echo 1.25)
-      train "train_2nodes_x2_$name" 100 $name "${mode#*:}" --set model.moe.recv_buffer_factor=$rbf
+      train "train_2nodes_x2_$name" 100 $name "${mode#*:}" --set parallel.recv_buffer_factor=$rbf
     done ;;
   backward)
     B="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0 --no-exchange --stages-backward"
