@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xmoe_jax.benchmarking import dense_matmul_tflops, environment, time_fn
-from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+from xmoe_jax.kernels import backends as dispatch
+from xmoe_jax.kernels import combine, gmm, permute, tgmm
 
 CONFIGS = {
     "small": dict(dim=2048, hidden=1408, experts=64, top_k=6, tokens=32768),
@@ -180,7 +181,7 @@ PERMUTE_BLOCKS = [(bt, bd, nw) for bt in (8, 16, 32) for bd in (512, 1024, 2048)
 
 def sweep(rec, backends, iters):
     """Tiles x launch parameters on the Small up-projection (uniform groups), then permute blocks."""
-    from xmoe_jax.pallas import permute_pallas
+    from xmoe_jax.kernels.permute import pallas as permute_pallas
 
     cfg = CONFIGS["small"]
     rows, experts, k, n = cfg["tokens"] * cfg["top_k"], cfg["experts"], cfg["dim"], cfg["hidden"]

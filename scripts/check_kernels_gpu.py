@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xmoe_jax.benchmarking import environment
-from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+from xmoe_jax.kernels import backends as dispatch
+from xmoe_jax.kernels import combine, gmm, permute, tgmm
 
 TOL = {"float32": 1e-3, "bfloat16": 1e-2}  # f32: IEEE in our kernels, XLA may use TF32
 

@@ -1,4 +1,4 @@
-"""Kernels (xmoe_jax.pallas): one suite run against every backend this machine has.
+"""Kernels (xmoe_jax.kernels): one suite run against every backend this machine has.
 
 On CPU that is "xla" (the oracle) and "pallas" in interpret mode; on a GPU also "triton" and
 "mgpu" when they can run. References are float64 NumPy loops written from the definitions;
@@ -21,7 +21,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+from xmoe_jax.kernels import backends as dispatch
+from xmoe_jax.kernels import combine, gmm, permute, tgmm
 
 R, K, N, E = 56, 40, 24, 4  # rows, contraction, columns, groups: R, K, N not multiples of TILE
 TILE = (16, 16, 16)

@@ -42,11 +42,11 @@ from xmoe_jax import sharding
 from xmoe_jax.benchmarking import time_fn
 from xmoe_jax.config import ModelConfig, MoEConfig
 from xmoe_jax.hlo_stats import collective_stats
+from xmoe_jax.kernels import default_implementation
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.moe import memory_model as mm
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.layer import EXPERT_AXES
-from xmoe_jax.pallas import default_implementation
 
 MiB = 2**20
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.pallas import gmm
+from xmoe_jax.kernels import gmm
 
 
 def _act(h_gate, h_up, activation: str):

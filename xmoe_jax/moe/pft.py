@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.config import MoEConfig
+from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
-from xmoe_jax.pallas import combine, permute
 
 
 def recv_rows(cfg: MoEConfig, num_tokens: int, num_peers: int) -> int:

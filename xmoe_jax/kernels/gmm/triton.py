@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.pallas.group_metadata import group_bounds, make_group_metadata
+from xmoe_jax.kernels.gmm.metadata import group_bounds, make_group_metadata
 
 
 @functools.cache

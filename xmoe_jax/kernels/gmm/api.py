@@ -23,11 +23,12 @@ import functools
 
 import jax
 
-from xmoe_jax.pallas import dispatch, gmm_mgpu
-from xmoe_jax.pallas.gmm_pallas import gmm_pallas, tgmm_pallas
-from xmoe_jax.pallas.gmm_xla import gmm_xla, tgmm_xla
-from xmoe_jax.pallas.validation import check_gmm_args, check_tgmm_args, check_tile, out_dtype
-from xmoe_jax.pallas.vma import match_vma
+from xmoe_jax.kernels import backends as dispatch
+from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
+from xmoe_jax.kernels.gmm.pallas import gmm_pallas, tgmm_pallas
+from xmoe_jax.kernels.gmm.xla import gmm_xla, tgmm_xla
+from xmoe_jax.kernels.validation import check_gmm_args, check_tgmm_args, check_tile, out_dtype
+from xmoe_jax.kernels.vma import match_vma
 
 _MAX_I32 = 2**31 - 1
 
@@ -64,7 +65,7 @@ def _gmm_impl(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs=
         )
     num_warps, num_stages = dispatch.launch_params(impl, "gmm", t, lhs_RK.dtype.itemsize)
     if impl == "triton":
-        from xmoe_jax.pallas.gmm_triton import gmm_triton
+        from xmoe_jax.kernels.gmm.triton import gmm_triton
 
         return gmm_triton(
             lhs_RK,
@@ -108,7 +109,7 @@ def _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile):
         return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt, tile=t)
     num_warps, num_stages = dispatch.launch_params(impl, "tgmm", t, lhs_RK.dtype.itemsize)
     if impl == "triton":
-        from xmoe_jax.pallas.gmm_triton import tgmm_triton
+        from xmoe_jax.kernels.gmm.triton import tgmm_triton
 
         return tgmm_triton(
             lhs_RK,

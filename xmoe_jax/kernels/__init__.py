@@ -1,6 +1,6 @@
 """Kernels for the MoE hot path, each beside its XLA reference (the oracle and the fallback).
 
-    from xmoe_jax.pallas import gmm, tgmm, permute, combine
+    from xmoe_jax.kernels import gmm, tgmm, permute, combine
 
     x_sorted_RD = permute(x_TD, dest_A, num_rows)                 # tokens -> expert order
     h_RF        = gmm(x_sorted_RD, w_up_EDF, group_sizes_E)       # grouped GEMM
@@ -16,9 +16,9 @@ validation.py, group_metadata.py (tile -> group work list), gmm_{xla,pallas,trit
 permute_{xla,pallas}.py.
 """
 
-from xmoe_jax.pallas.dispatch import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, default_implementation
-from xmoe_jax.pallas.gmm import gmm, tgmm
-from xmoe_jax.pallas.permute import combine, permute
+from xmoe_jax.kernels.backends import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, default_implementation
+from xmoe_jax.kernels.gmm import gmm, tgmm
+from xmoe_jax.kernels.permute import combine, permute
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",

@@ -25,16 +25,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.pallas import dispatch
-from xmoe_jax.pallas.permute_pallas import BLOCKS, combine_rows_pallas, gather_dot_pallas, scatter_rows_pallas
-from xmoe_jax.pallas.permute_xla import (
+from xmoe_jax.kernels import backends as dispatch
+from xmoe_jax.kernels.permute.pallas import (
+    BLOCKS,
+    combine_rows_pallas,
+    gather_dot_pallas,
+    scatter_rows_pallas,
+)
+from xmoe_jax.kernels.permute.xla import (
     combine_rows_xla,
     gather_dot_xla,
     gather_rows_xla,
     source_rows,
 )
-from xmoe_jax.pallas.validation import check_float, check_int32, check_rank
-from xmoe_jax.pallas.vma import match_vma
+from xmoe_jax.kernels.validation import check_float, check_int32, check_rank
+from xmoe_jax.kernels.vma import match_vma
 
 _MAX_I32 = 2**31 - 1
 

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xmoe_jax.pallas.group_metadata import group_bounds, make_group_metadata
+from xmoe_jax.kernels.gmm.metadata import group_bounds, make_group_metadata
 
 _NN = (((1,), (0,)), ((), ()))  # x[m,k] @ w[k,n]
 _NT = (((1,), (1,)), ((), ()))  # x[m,k] @ w[n,k].T
