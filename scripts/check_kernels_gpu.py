@@ -226,7 +226,7 @@ def main() -> None:
     checks = args.checks.split(",")
     env = environment()
     results = {b: {} for b in backends}
-    reasons = {b: dispatch.unavailable_reason(b) for b in backends}
+    reasons = {b: dispatch.IMPLEMENTATIONS[b].unavailable_reason() for b in backends}
     print(json.dumps(env), flush=True)
     for b in backends:
         for c in checks:

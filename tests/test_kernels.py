@@ -21,8 +21,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from xmoe_jax.kernels import backends as dispatch
-from xmoe_jax.kernels import combine, gmm, permute, tgmm
+from xmoe_jax.kernels import IMPLEMENTATIONS, combine, default_implementation, gmm, permute, tgmm
+from xmoe_jax.kernels.platform import platform
 
 R, K, N, E = 56, 40, 24, 4  # rows, contraction, columns, groups: R, K, N not multiples of TILE
 TILE = (16, 16, 16)
@@ -30,16 +30,20 @@ T, TOP_K, D = 12, 3, 40  # tokens, top-k, model dim for permute/combine
 SETTINGS = settings(max_examples=6, deadline=None)
 
 
+def _unavailable(impl: str) -> str | None:
+    return IMPLEMENTATIONS[impl].unavailable_reason()
+
+
 def _available(impl: str) -> bool:
-    return dispatch.unavailable_reason(impl) is None
+    return _unavailable(impl) is None
 
 
 BACKENDS = [
     pytest.param(
         impl,
-        marks=pytest.mark.skipif(not _available(impl), reason=f"{impl}: {dispatch.unavailable_reason(impl)}"),
+        marks=pytest.mark.skipif(not _available(impl), reason=f"{impl}: {_unavailable(impl)}"),
     )
-    for impl in dispatch.IMPLEMENTATIONS
+    for impl in IMPLEMENTATIONS
 ]
 PERMUTE_BACKENDS = ["xla", "pallas"]  # "triton"/"mgpu" run the pallas permute kernels
 
@@ -350,7 +354,7 @@ def test_permute_accepts_dest_as_TK_and_bf16():
     assert np.array_equal(f64(flat), permute_ref(x, dest, T * TOP_K))  # a permutation is exact
 
 
-# ---------------------------------------------------------------- validation and dispatch
+# ---------------------------------------------------------------- validation and backend choice
 
 
 def test_gmm_argument_errors_name_the_argument():
@@ -407,7 +411,7 @@ def test_unavailable_backend_falls_back_to_a_correct_one():
 
 
 def test_default_implementation_is_xla_on_cpu():
-    if dispatch.platform() == "cpu":
-        assert dispatch.default_implementation("gmm") == "xla"
-        assert dispatch.default_implementation("permute") == "xla"
-    assert dispatch.default_implementation("gmm") in dispatch.IMPLEMENTATIONS
+    if platform() == "cpu":
+        assert default_implementation("gmm") == "xla"
+        assert default_implementation("permute") == "xla"
+    assert default_implementation("gmm") in IMPLEMENTATIONS

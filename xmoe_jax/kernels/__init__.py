@@ -8,15 +8,21 @@
 
 Backends (`implementation=`): "xla", "pallas" (Triton-style Pallas: Triton lowering on CUDA
 and ROCm, interpret mode on CPU), "triton" (jax-triton, GPU only), "mgpu" (Mosaic GPU,
-Hopper only); None picks the fastest measured one for the platform (dispatch.py). All are
+Hopper only); None picks the fastest measured one for the platform (defaults.py). All are
 differentiable through custom VJPs and fall back to XLA when they cannot run.
 
-Files: gmm.py / permute.py (public ops, custom VJPs), dispatch.py (backend choice),
-validation.py, group_metadata.py (tile -> group work list), gmm_{xla,pallas,triton,mgpu}.py,
-permute_{xla,pallas}.py.
+Files, one folder per op:
+  gmm/       api.py (public gmm / tgmm, custom VJPs), xla.py (oracle), pallas.py, triton.py,
+             mgpu.py (one file per backend's kernels), metadata.py (row tile -> group work list)
+  permute/   api.py (public permute / combine, custom VJPs), xla.py (oracle), pallas.py
+  backends.py   IMPLEMENTATIONS, the registry of backend objects, and choose_backend (fallbacks)
+  defaults.py   per-platform default backend, tiles and launch parameters (measured data)
+  platform.py   platform detection (cpu / cuda / rocm, Hopper, installed packages)
+  validation.py argument checks;  vma.py  shard_map varying-axes alignment for the custom VJPs
 """
 
-from xmoe_jax.kernels.backends import DEFAULT_IMPLEMENTATION, IMPLEMENTATIONS, default_implementation
+from xmoe_jax.kernels.backends import IMPLEMENTATIONS
+from xmoe_jax.kernels.defaults import DEFAULT_IMPLEMENTATION, default_implementation
 from xmoe_jax.kernels.gmm import gmm, tgmm
 from xmoe_jax.kernels.permute import combine, permute
 

@@ -1,7 +1,7 @@
 """Grouped GEMMs as Triton-style Pallas kernels (Triton lowering on GPU, interpret mode on CPU).
 
 Legend: R rows grouped by expert, K contraction, N output columns, E experts (groups),
-I work items (see group_metadata.py); bm/bk/bn the tile (block_m, block_k, block_n).
+I work items (see metadata.py); bm/bk/bn the tile (block_m, block_k, block_n).
 
 Why Triton-style (plain pointer arithmetic over whole-array refs, masked loads and stores)
 rather than BlockSpecs: groups start at arbitrary rows, so a program's rows are not a block
