@@ -74,10 +74,6 @@ class Backend:
         """The requested tile, checked, or this platform's default for this backend and op."""
         return check_tile(defaults.default_tile(self.name, op) if tile is None else tile, power_of_two=True)
 
-    def launch(self, op: str, tile, dtype) -> tuple[int | None, int | None]:
-        """(num_warps, num_stages) for a Triton launch of `op` with this tile."""
-        return defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
-
     def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
         """[R, N] grouped product (rhs [E, N, K] with transpose_rhs); see gmm/api.py."""
         raise NotImplementedError(f"{self.name} has no gmm kernel")
@@ -128,6 +124,7 @@ class Pallas(Backend):
 
     name, fallback = "pallas", "xla"
     ops = frozenset({"gmm", "tgmm", "permute"})
+    gmm_kernel, tgmm_kernel = staticmethod(gmm_pallas.gmm_pallas), staticmethod(gmm_pallas.tgmm_pallas)
 
     def unavailable_reason(self):
         plat = platform()
@@ -138,21 +135,22 @@ class Pallas(Backend):
             return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
         return None
 
+    def launch(self, op: str, tile, dtype) -> dict:
+        """The GEMM kernels' launch arguments: interpret mode, num_warps, num_stages (defaults.py)."""
+        num_warps, num_stages = defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
+        return dict(interpret=interpret(), num_warps=num_warps, num_stages=num_stages)
+
     def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
         tile = self.tile("gmm", tile)
-        num_warps, num_stages = self.launch("gmm", tile, lhs_RK.dtype)
-        return gmm_pallas.gmm_pallas(
+        return self.gmm_kernel(
             lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=tile, transpose_rhs=transpose_rhs,
-            interpret=interpret(), num_warps=num_warps, num_stages=num_stages,
+            **self.launch("gmm", tile, lhs_RK.dtype),
         )  # fmt: skip
 
     def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
         tile = self.tile("tgmm", tile)
-        num_warps, num_stages = self.launch("tgmm", tile, lhs_RK.dtype)
-        return gmm_pallas.tgmm_pallas(
-            lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, interpret=interpret(),
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+        launch = self.launch("tgmm", tile, lhs_RK.dtype)
+        return self.tgmm_kernel(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, **launch)
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         scale_TK = jnp.ones(dest_TK.shape, jnp.float32) if weights_TK is None else weights_TK
@@ -170,11 +168,16 @@ class Pallas(Backend):
         return permute_pallas.gather_dot_pallas(a_TD, b_RD, dest_TK, interpret=interpret(), **blocks)
 
 
-class Triton(Backend):
-    """gmm/triton.py's kernels through jax-triton (GPU); permute runs on its fallback, pallas."""
+class Triton(Pallas):
+    """Pallas's GEMM algorithm written in Triton (gmm/triton.py), run through jax-triton on a GPU.
+
+    It shares Pallas's gmm / tgmm methods with its own kernels and launch arguments; it has no
+    permute kernels (`ops`), so permute runs on its fallback, pallas.
+    """
 
     name, fallback = "triton", "pallas"
     ops = frozenset({"gmm", "tgmm"})
+    gmm_kernel, tgmm_kernel = staticmethod(gmm_triton.gmm_triton), staticmethod(gmm_triton.tgmm_triton)
 
     def unavailable_reason(self):
         plat = platform()
@@ -184,21 +187,12 @@ class Triton(Backend):
             return "jax-triton is not installed (pip install 'xmoe_jax[triton]')"
         return None
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
-        tile = self.tile("gmm", tile)
-        num_warps, num_stages = self.launch("gmm", tile, lhs_RK.dtype)
-        return gmm_triton.gmm_triton(
-            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=tile, transpose_rhs=transpose_rhs,
-            num_warps=num_warps or 8, num_stages=num_stages or 3,
-        )  # fmt: skip
+    def shape_reason(self, call):
+        return None  # 64-bit row offsets: no 2^31-element limit
 
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
-        tile = self.tile("tgmm", tile)
-        num_warps, num_stages = self.launch("tgmm", tile, lhs_RK.dtype)
-        return gmm_triton.tgmm_triton(
-            lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile,
-            num_warps=num_warps or 8, num_stages=num_stages or 3,
-        )  # fmt: skip
+    def launch(self, op: str, tile, dtype) -> dict:
+        num_warps, num_stages = defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
+        return dict(num_warps=num_warps or 8, num_stages=num_stages or 3)
 
 
 class Mosaic(Backend):
