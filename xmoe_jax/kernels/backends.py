@@ -51,8 +51,8 @@ class Call(NamedTuple):
 class Backend:
     """One way to run the kernels; a subclass overrides the ops it has kernels for.
 
-    Shapes follow the ops' legends: R rows, K contraction, N output columns, E experts,
-    T tokens, D model, K top-k (dest_TK). `tile` is the caller's (None: defaults.py).
+    Shapes follow the ops' legends: R rows, K contraction, N output columns, E experts for
+    gmm / tgmm; T tokens, D model, K top-k for permute. `tile` is the caller's (None: defaults.py).
     """
 
     name: str = ""

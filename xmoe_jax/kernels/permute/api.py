@@ -121,7 +121,8 @@ def permute(
     dest_TK = _dest_TK(dest_A, x_TD.shape[0])
     if weights_TK is not None:
         _check_weights(weights_TK, dest_TK)
-    backend = _backend(implementation, x_TD, jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype))
+    out_RD = jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype)
+    backend = _backend(implementation, x_TD, out_RD)
     x_TD, weights_TK = match_vma(x_TD, weights_TK)
     return _permute(x_TD, dest_TK, weights_TK, num_rows, backend)
 
