@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xmoe_jax.benchmarking import dense_matmul_tflops, environment, time_fn
-from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+from xmoe_jax.kernels import IMPLEMENTATIONS, combine, defaults, gmm, permute, tgmm
+from xmoe_jax.kernels.backends import reset_warnings
+from xmoe_jax.kernels.platform import platform
+from xmoe_jax.perf.timing import dense_matmul_tflops, environment, time_fn
 
 CONFIGS = {
     "small": dict(dim=2048, hidden=1408, experts=64, top_k=6, tokens=32768),
@@ -128,7 +130,7 @@ def bench_gmm_config(rec, name, cfg, backends, dists, iters):
                 # dgrad = g @ w[e].T: transpose_rhs reads w [E, K, N] as [E, out, contraction]
                 operands = {"fwd": (x, w, gs), "dgrad": (g, w, gs), "wgrad": (x, g, gs)}
                 for pass_, fn in fns.items():
-                    dispatch.reset_warnings()
+                    reset_warnings()
                     measure(
                         rec, n_iter, fn, operands[pass_], flops, **key, kind=backend, dist=dist, pass_=pass_
                     )
@@ -180,21 +182,21 @@ PERMUTE_BLOCKS = [(bt, bd, nw) for bt in (8, 16, 32) for bd in (512, 1024, 2048)
 
 def sweep(rec, backends, iters):
     """Tiles x launch parameters on the Small up-projection (uniform groups), then permute blocks."""
-    from xmoe_jax.pallas import permute_pallas
+    from xmoe_jax.kernels.permute import pallas as permute_pallas
 
     cfg = CONFIGS["small"]
     rows, experts, k, n = cfg["tokens"] * cfg["top_k"], cfg["experts"], cfg["dim"], cfg["hidden"]
     x, w, g = randn(1, (rows, k)), randn(2, (experts, k, n)), randn(3, (rows, n))
     gs = group_sizes("uniform", rows, experts)
     flops = 2.0 * rows * k * n
-    plat = dispatch.platform()
+    plat = platform()
     for backend in [b for b in backends if b in ("pallas", "triton")]:
         passes = [("fwd", "gmm", GMM_TILES, (x, w, gs)), ("dgrad", "gmm", GMM_TILES, (g, w, gs))]
         passes.append(("wgrad", "tgmm", TGMM_TILES, (x, g, gs)))
         for pass_, op, tiles, args in passes:
             for tile in tiles:
                 for launch in LAUNCHES:
-                    dispatch.LAUNCH[(backend, plat)] = {"gmm": launch, "tgmm": launch}
+                    defaults.LAUNCH[(backend, plat)] = {"gmm": launch, "tgmm": launch}
                     if op == "tgmm":
                         fn = jax.jit(
                             lambda a, b, gs, t=tile, i=backend: tgmm(a, b, gs, implementation=i, tile=t)
@@ -322,9 +324,9 @@ def main() -> None:
         "command": "python scripts/bench_gmm.py "
         + " ".join(f"--{k}={v}" for k, v in vars(args).items() if v not in (None, False)),
         "dense_matmul_8192_tflops": dense_8192,
-        "backends_unavailable": {b: dispatch.unavailable_reason(b) for b in backends},
-        "default_tiles": {f"{k[0]}/{k[1]}": v for k, v in dispatch.DEFAULT_TILES.items()},
-        "launch": {f"{k[0]}/{k[1]}": v for k, v in dispatch.LAUNCH.items()},
+        "backends_unavailable": {b: IMPLEMENTATIONS[b].unavailable_reason() for b in backends},
+        "default_tiles": {f"{k[0]}/{k[1]}": v for k, v in defaults.DEFAULT_TILES.items()},
+        "launch": {f"{k[0]}/{k[1]}": v for k, v in defaults.LAUNCH.items()},
         "capacity_factor": CAPACITY_FACTOR,
         "zipf_s": ZIPF_S,
     }

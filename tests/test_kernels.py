@@ -1,4 +1,4 @@
-"""Kernels (xmoe_jax.pallas): one suite run against every backend this machine has.
+"""Kernels (xmoe_jax.kernels): one suite run against every backend this machine has.
 
 On CPU that is "xla" (the oracle) and "pallas" in interpret mode; on a GPU also "triton" and
 "mgpu" when they can run. References are float64 NumPy loops written from the definitions;
@@ -7,6 +7,10 @@ one-hot group mask / a dense permutation matrix). Inputs are fresh random draws 
 never zeros. Shapes are tiny and tiles 16 so interpret mode stays fast: K and N are not
 multiples of the tile, and group sizes come from hypothesis (empty groups, one group holding
 every row, sizes that are not tile multiples, sum(group_sizes) < R).
+
+A second suite (test_backend_matches_float64_reference_at_default_tiles, the former
+scripts/check_kernels_gpu.py) runs every backend at its default tiles on realistic shapes; its
+"gpu" scale is marked `gpu` and runs only on a GPU: `python -m pytest -m gpu tests/test_kernels.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from xmoe_jax.pallas import combine, dispatch, gmm, permute, tgmm
+from xmoe_jax.kernels import IMPLEMENTATIONS, combine, default_implementation, gmm, permute, tgmm
+from xmoe_jax.kernels.platform import platform
 
 R, K, N, E = 56, 40, 24, 4  # rows, contraction, columns, groups: R, K, N not multiples of TILE
 TILE = (16, 16, 16)
@@ -29,16 +34,20 @@ T, TOP_K, D = 12, 3, 40  # tokens, top-k, model dim for permute/combine
 SETTINGS = settings(max_examples=6, deadline=None)
 
 
+def _unavailable(impl: str) -> str | None:
+    return IMPLEMENTATIONS[impl].unavailable_reason()
+
+
 def _available(impl: str) -> bool:
-    return dispatch.unavailable_reason(impl) is None
+    return _unavailable(impl) is None
 
 
 BACKENDS = [
     pytest.param(
         impl,
-        marks=pytest.mark.skipif(not _available(impl), reason=f"{impl}: {dispatch.unavailable_reason(impl)}"),
+        marks=pytest.mark.skipif(not _available(impl), reason=f"{impl}: {_unavailable(impl)}"),
     )
-    for impl in dispatch.IMPLEMENTATIONS
+    for impl in IMPLEMENTATIONS
 ]
 PERMUTE_BACKENDS = ["xla", "pallas"]  # "triton"/"mgpu" run the pallas permute kernels
 
@@ -349,7 +358,161 @@ def test_permute_accepts_dest_as_TK_and_bf16():
     assert np.array_equal(f64(flat), permute_ref(x, dest, T * TOP_K))  # a permutation is exact
 
 
-# ---------------------------------------------------------------- validation and dispatch
+# ---------------------------------------------------------------- every backend at default tiles: tiny here, real on GPU
+#
+# The former scripts/check_kernels_gpu.py, one parametrised suite at two scales. Each check runs
+# one backend at its default tiles (a backend that cannot take a shape falls back, as in
+# production) on fresh random inputs against float64 NumPy references, with the script's
+# tolerances. Scale "tiny" runs everywhere (CPU: xla and pallas in interpret mode). Scale "gpu"
+# has the script's shapes and seeds and the `gpu` marker: conftest.py skips it off-GPU; on a GPU
+# run it alone with `python -m pytest -m gpu tests/test_kernels.py` (about a minute on an H100).
+
+CHECK_TOL = {"float32": 1e-3, "bfloat16": 1e-2}  # f32: IEEE in our kernels, XLA may use TF32
+# (rows, K, N, experts, fill): "uneven" has K, N and group sizes off the tiles and sum(sizes) < R;
+# "aligned" suits the Mosaic tiles; "moe" is the X-MoE Small up-projection with fewer rows.
+GEMM_SHAPES = {
+    "tiny": {
+        "uneven": (100, 40, 24, 8, 0.97),
+        "aligned": (128, 64, 32, 8, 1.0),
+        "moe": (256, 64, 48, 16, 0.99),
+    },
+    "gpu": {
+        "uneven": (1000, 200, 136, 8, 0.97),
+        "aligned": (8192, 512, 384, 16, 1.0),
+        "moe": (16384, 2048, 1408, 64, 0.99),
+    },
+}
+PERMUTE_SHAPES = {  # (tokens, top_k, D); 10% of the copies are dropped
+    "tiny": {"f32": (24, 3, 40), "bf16": (40, 3, 72)},
+    "gpu": {"f32": (1000, 6, 200), "bf16": (4096, 6, 2048)},
+}
+SCALES = [pytest.param("tiny"), pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def group_sizes_for(pattern, scale, shape, seed):
+    """(rows, K, N, experts, sizes): "skewed" = Zipf-like sizes with 3 empty groups (the script's),
+    "one_group" = every row in one group and the others empty."""
+    rows, k, n, e, fill = GEMM_SHAPES[scale][shape]
+    if pattern == "one_group":
+        return rows, k, n, e, np.eye(e, dtype=np.int64)[e // 2] * rows
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, e + 1) ** 1.1
+    p[rng.choice(e, 3, replace=False)] = 0
+    return rows, k, n, e, np.floor(rng.permutation(p) / p.sum() * rows * fill).astype(np.int64)
+
+
+def check_gmm(impl, scale, dtype, shape, seed, transpose=False, pattern="skewed"):
+    rows, k, n, e, sizes = group_sizes_for(pattern, scale, shape, seed)
+    x, w = randn(seed, (rows, k), dtype), randn(seed + 1, (e, n, k) if transpose else (e, k, n), dtype)
+    f = jax.jit(lambda x, w, gs: gmm(x, w, gs, implementation=impl, transpose_rhs=transpose))
+    out = f(x, w, jnp.asarray(sizes, jnp.int32))
+    assert not np.any(f64(out)[sizes.sum() :]), "rows past sum(group_sizes) must be zero"
+    return [("out", out, gmm_ref(x, jnp.swapaxes(w, 1, 2) if transpose else w, sizes))]
+
+
+def check_tgmm(impl, scale, dtype, shape, seed, pattern="skewed"):
+    rows, k, n, e, sizes = group_sizes_for(pattern, scale, shape, seed)
+    x, g = randn(seed, (rows, k), dtype), randn(seed + 1, (rows, n), dtype)
+    out = jax.jit(lambda x, g, gs: tgmm(x, g, gs, implementation=impl))(x, g, jnp.asarray(sizes, jnp.int32))
+    return [("out", out, tgmm_ref(x, g, sizes))]
+
+
+def check_gmm_grads(impl, scale, dtype, shape, seed):
+    rows, k, n, e, sizes = group_sizes_for("skewed", scale, shape, seed)
+    x, w, cot = (
+        randn(seed, (rows, k), dtype),
+        randn(seed + 1, (e, k, n), dtype),
+        randn(seed + 2, (rows, n), dtype),
+    )
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum((gmm(x, w, gs, implementation=impl) * cot).astype(jnp.float32))
+
+    dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    return [("dlhs", dx, gmm_ref(cot, jnp.swapaxes(w, 1, 2), sizes)), ("drhs", dw, tgmm_ref(x, cot, sizes))]
+
+
+def check_permute_combine(impl, scale, dtype, shape, seed):
+    """permute and combine, and jax.grad of both, with about 10% of the copies dropped."""
+    num_tokens, top_k, dim = PERMUTE_SHAPES[scale][shape]
+    num_copies = num_tokens * top_k
+    num_rows = int(num_copies * 0.9)
+    dest = np.random.default_rng(seed).permutation(num_copies).astype(np.int32)
+    dest = np.where(dest < num_rows, dest, -1).astype(np.int32)
+    x, w = (
+        randn(seed, (num_tokens, dim), dtype),
+        jax.random.uniform(jax.random.key(seed), (num_tokens, top_k)),
+    )
+    y, cot_R = randn(seed + 1, (num_rows, dim), dtype), randn(seed + 2, (num_rows, dim), dtype)
+    cot_T = randn(seed + 3, (num_tokens, dim), dtype)
+
+    def grads(f, a, cot):
+        return jax.jit(jax.grad(lambda a, w: jnp.sum((f(a, w) * cot).astype(jnp.float32)), (0, 1)))(a, w)
+
+    def permute_(x, w):
+        return permute(x, dest, num_rows, w, implementation=impl)
+
+    def combine_(y, w):
+        return combine(y, dest, w, implementation=impl)
+
+    dx, dw_p = grads(permute_, x, cot_R)
+    dy, dw_c = grads(combine_, y, cot_T)
+    xs, ws, ys, cr, ct = f64(x), f64(w).reshape(-1), f64(y), f64(cot_R), f64(cot_T)
+    ok = dest >= 0
+    tok, row = (np.arange(num_copies) // top_k)[ok], dest[ok]
+    want_p, want_dy = np.zeros((num_rows, dim)), np.zeros((num_rows, dim))
+    want_p[row], want_dy[row] = xs[tok] * ws[ok, None], ct[tok] * ws[ok, None]
+    want_c, want_dx = np.zeros((num_tokens, dim)), np.zeros((num_tokens, dim))
+    np.add.at(want_c, tok, ys[row] * ws[ok, None])
+    np.add.at(want_dx, tok, cr[row] * ws[ok, None])
+    want_dw_p, want_dw_c = np.zeros(num_copies), np.zeros(num_copies)
+    want_dw_p[ok], want_dw_c[ok] = np.sum(cr[row] * xs[tok], axis=1), np.sum(ct[tok] * ys[row], axis=1)
+    return [
+        ("permute", jax.jit(permute_)(x, w), want_p),
+        ("combine", jax.jit(combine_)(y, w), want_c),
+        ("permute dx", dx, want_dx),
+        ("permute dweights", jnp.reshape(dw_p, -1), want_dw_p),
+        ("combine dy", dy, want_dy),
+        ("combine dweights", jnp.reshape(dw_c, -1), want_dw_c),
+    ]
+
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+CHECKS = {  # the script's checks, names and seeds, plus the one-group pattern
+    "gmm_f32_uneven": functools.partial(check_gmm, dtype=F32, shape="uneven", seed=1),
+    "gmm_bf16_uneven": functools.partial(check_gmm, dtype=BF16, shape="uneven", seed=2),
+    "gmm_bf16_aligned": functools.partial(check_gmm, dtype=BF16, shape="aligned", seed=3),
+    "gmm_bf16_moe": functools.partial(check_gmm, dtype=BF16, shape="moe", seed=4),
+    "gmm_bf16_one_group": functools.partial(
+        check_gmm, dtype=BF16, shape="aligned", seed=13, pattern="one_group"
+    ),
+    "dgrad_bf16_uneven": functools.partial(check_gmm, dtype=BF16, shape="uneven", seed=5, transpose=True),
+    "dgrad_bf16_aligned": functools.partial(check_gmm, dtype=BF16, shape="aligned", seed=6, transpose=True),
+    "tgmm_f32_uneven": functools.partial(check_tgmm, dtype=F32, shape="uneven", seed=7),
+    "tgmm_bf16_aligned": functools.partial(check_tgmm, dtype=BF16, shape="aligned", seed=8),
+    "tgmm_bf16_one_group": functools.partial(
+        check_tgmm, dtype=BF16, shape="aligned", seed=14, pattern="one_group"
+    ),
+    "grads_f32_uneven": functools.partial(check_gmm_grads, dtype=F32, shape="uneven", seed=9),
+    "grads_bf16_aligned": functools.partial(check_gmm_grads, dtype=BF16, shape="aligned", seed=10),
+    "permute_combine_f32": functools.partial(check_permute_combine, dtype=F32, shape="f32", seed=11),
+    "permute_combine_bf16": functools.partial(check_permute_combine, dtype=BF16, shape="bf16", seed=12),
+}
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_backend_matches_float64_reference_at_default_tiles(check, impl, scale):
+    if check.startswith("permute") and impl not in PERMUTE_BACKENDS:
+        pytest.skip(f"{impl} has no permute kernels of its own (it runs pallas's)")
+    tol = CHECK_TOL[jnp.dtype(CHECKS[check].keywords["dtype"]).name]
+    for what, got, want in CHECKS[check](impl, scale):
+        assert rel_err(got, want) <= tol, f"{check} {what} on {impl}"
+
+
+# ---------------------------------------------------------------- validation and backend choice
 
 
 def test_gmm_argument_errors_name_the_argument():
@@ -406,7 +569,7 @@ def test_unavailable_backend_falls_back_to_a_correct_one():
 
 
 def test_default_implementation_is_xla_on_cpu():
-    if dispatch.platform() == "cpu":
-        assert dispatch.default_implementation("gmm") == "xla"
-        assert dispatch.default_implementation("permute") == "xla"
-    assert dispatch.default_implementation("gmm") in dispatch.IMPLEMENTATIONS
+    if platform() == "cpu":
+        assert default_implementation("gmm") == "xla"
+        assert default_implementation("permute") == "xla"
+    assert default_implementation("gmm") in IMPLEMENTATIONS

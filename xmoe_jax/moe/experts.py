@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.pallas import gmm
+from xmoe_jax.kernels import gmm
 
 
 def _act(h_gate, h_up, activation: str):
@@ -49,7 +49,7 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
 def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str) -> jax.Array:
     """Experts over a flat expert-major buffer: rows of group e go through expert e.
 
-    Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.pallas.gmm`
+    Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm`
     (the Pallas kernel on GPU, `ragged_dot` on CPU), whose backward passes are grouped
     GEMMs too.
     """

@@ -8,7 +8,7 @@ Steps:
   1. the kept copies (after capacity) are placed expert-major into a flat [A, D]
      send buffer; row = start of its expert + its position in the expert's queue
      (no sort beyond the one `capacity.expert_positions` already did), by the
-     permute kernel (xmoe_jax/pallas; XLA's reference on CPU);
+     permute kernel (xmoe_jax/kernels; XLA's reference on CPU);
   2. every device learns every device's per-expert counts (one small all-gather),
      so send sizes, receive sizes and all offsets are computed on device, identical
      everywhere, with no host synchronisation;
@@ -35,11 +35,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats
-from xmoe_jax.pallas import combine, permute
 
 
 class ExchangeSpec(NamedTuple):

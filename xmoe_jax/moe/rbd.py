@@ -33,11 +33,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
-from xmoe_jax.pallas import combine, permute
 
 
 def stage2_spec(

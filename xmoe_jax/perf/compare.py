@@ -40,10 +40,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax import sharding
 from xmoe_jax.config import ModelConfig, MoEConfig, ParallelConfig
+from xmoe_jax.kernels import default_implementation
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.params import EXPERT_AXES
-from xmoe_jax.pallas import default_implementation
 from xmoe_jax.perf import memory_model as mm
 from xmoe_jax.perf.hlo import collective_stats
 from xmoe_jax.perf.timing import time_fn

@@ -5,7 +5,7 @@ Legend: R rows grouped by expert, K contraction, N output columns, E experts.
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (wgmma + TMA pipelines,
 persistent grid over the SMs) serves gmm and, with `transpose_rhs=True`, gmm's lhs gradient;
 `transposed_ragged_dot_mgpu.transposed_ragged_dot` serves tgmm. Both are imported only when
-called (NVIDIA Hopper only). Their constraints, checked by `shape_reason` so the dispatcher
+called (NVIDIA Hopper only). Their constraints, checked by `shape_reason` so backends.py
 can fall back before tracing: equal 16-bit input dtypes, K a multiple of block_k (gmm), K and
 N multiples of block_m/block_n (tgmm). The ragged dot leaves rows past sum(group_sizes)
 unwritten; we zero them with a select that XLA fuses into the consumer.

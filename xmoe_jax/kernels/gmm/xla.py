@@ -4,7 +4,7 @@ Legend: R rows grouped by expert, K contraction, N output columns, E experts (gr
 
 `gmm` is `jax.lax.ragged_dot`; `tgmm` is `jax.lax.ragged_dot_general` with the ragged
 dimension contracted (what JAX itself uses for ragged_dot's weight gradient). Both accumulate
-in float32. On CUDA, XLA computes these densely (DESIGN.md section 3: 6-24 TFLOP/s, and the
+in float32. On CUDA, XLA computes these densely (docs/design.md#ragged-dot: 6-24 TFLOP/s, and the
 gradient can run out of memory at full size), so they are correct but not fast there.
 """
 

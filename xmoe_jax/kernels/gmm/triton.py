@@ -2,11 +2,11 @@
 
 Legend: R rows grouped by expert, K contraction, N output columns, E experts, I work items.
 
-The algorithm is gmm_pallas.py's, written directly in Triton so that we control what the
+The algorithm is pallas.py's, written directly in Triton so that we control what the
 Pallas lowering decides for us (pointer increments instead of recomputed offsets, 64-bit row
-offsets, tl.dot accumulating in place). Same work list (group_metadata.py), same masking,
+offsets, tl.dot accumulating in place). Same work list (metadata.py), same masking,
 same zero tail. `triton` and `jax_triton` are imported on first call only: the package
-imports on machines without them, and the dispatcher falls back when they are missing.
+imports on machines without them, and backends.py falls back when they are missing.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.pallas.group_metadata import group_bounds, make_group_metadata
+from xmoe_jax.kernels.gmm.metadata import group_bounds, make_group_metadata
 
 
 @functools.cache

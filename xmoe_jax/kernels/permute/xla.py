@@ -1,4 +1,4 @@
-"""XLA permute / combine / gather-dot: the oracle and fallback for permute_pallas.py.
+"""XLA permute / combine / gather-dot: the oracle and fallback for permute/pallas.py.
 
 Legend: T tokens, D model, K top-k, A = T*K routed copies (copy a = t*K + k belongs to token
 t = a // K), R rows of the expert-sorted buffer.
@@ -35,6 +35,18 @@ def gather_rows_xla(x_TD, src_R, scale_R, top_k: int) -> jax.Array:
     rows_RD = x_TD[jnp.where(ok_R, src_R, 0) // top_k].astype(jnp.float32)
     scale_R = jnp.where(ok_R, scale_R.astype(jnp.float32), 0.0)
     return (rows_RD * scale_R[:, None]).astype(x_TD.dtype)
+
+
+def scatter_rows_xla(x_TD, dest_TK, weights_TK, num_rows: int) -> jax.Array:
+    """out[dest[t,k]] = x[t] * w[t,k] (weights None: 1), as a gather through the inverse map."""
+    src_R = source_rows(dest_TK.reshape(-1), num_rows)
+    if weights_TK is None:
+        scale_R = (src_R >= 0).astype(jnp.float32)
+    else:
+        scale_R = jnp.where(
+            src_R >= 0, weights_TK.reshape(-1).astype(jnp.float32)[jnp.maximum(src_R, 0)], 0.0
+        )
+    return gather_rows_xla(x_TD, src_R, scale_R, dest_TK.shape[1])
 
 
 def combine_rows_xla(y_RD, dest_TK, weights_TK) -> jax.Array:

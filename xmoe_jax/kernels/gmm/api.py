@@ -14,7 +14,7 @@ the same backend (autodiff does not pass through pallas_call or triton_call):
     gmm:  d lhs = gmm(grad, rhs^T)            d rhs  = tgmm(lhs, grad)   (tgmm(grad, lhs) for rhs^T)
     tgmm: d lhs = gmm(grad, cot^T)            d grad = gmm(lhs, cot)
 The cotangent is cast to the input dtype before the backward GEMMs (mixed-precision habit).
-`implementation` picks the backend (dispatch.py); every backend falls back to XLA.
+`implementation` picks the backend (backends.py); every backend falls back to XLA.
 """
 
 from __future__ import annotations
@@ -23,112 +23,29 @@ import functools
 
 import jax
 
-from xmoe_jax.pallas import dispatch, gmm_mgpu
-from xmoe_jax.pallas.gmm_pallas import gmm_pallas, tgmm_pallas
-from xmoe_jax.pallas.gmm_xla import gmm_xla, tgmm_xla
-from xmoe_jax.pallas.validation import check_gmm_args, check_tgmm_args, check_tile, out_dtype
-from xmoe_jax.pallas.vma import match_vma
-
-_MAX_I32 = 2**31 - 1
-
-
-def _pallas_reason(*arrays) -> str | None:
-    if any(a.size > _MAX_I32 for a in arrays):
-        return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
-    return None
-
-
-def _tile_for(impl: str, tile, op: str = "gmm") -> tuple[int, int, int]:
-    return check_tile(dispatch.default_tile(impl, op) if tile is None else tile, power_of_two=impl != "xla")
+from xmoe_jax.kernels import backends  # a module import: backends.py imports this package's kernels
+from xmoe_jax.kernels.validation import check_gmm_args, check_tgmm_args, out_dtype
+from xmoe_jax.kernels.vma import match_vma
 
 
 def _gmm_impl(lhs_RK, rhs_EKN, group_sizes_E, impl, out_dt, tile, transpose_rhs=False):
-    """Run one forward-style grouped GEMM on `impl` or its fallback."""
-    k_dim = lhs_RK.shape[1]
+    """Run one forward-style grouped GEMM on `impl` (None: platform default) or its fallback."""
     n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
-
-    def shape_reason(name):
-        if name == "mgpu":
-            return gmm_mgpu.shape_reason("gmm", lhs_RK.dtype, k_dim, n_dim, _tile_for(name, tile))
-        if name == "pallas":
-            return _pallas_reason(lhs_RK, rhs_EKN, jax.ShapeDtypeStruct((lhs_RK.shape[0], n_dim), out_dt))
-        return None
-
-    impl = dispatch.resolve("gmm", impl, shape_reason)
-    if impl == "xla":
-        return gmm_xla(lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dt, transpose_rhs=transpose_rhs)
-    t = _tile_for(impl, tile)
-    if impl == "mgpu":
-        return gmm_mgpu.gmm_mgpu(
-            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dt, tile=t, transpose_rhs=transpose_rhs
-        )
-    num_warps, num_stages = dispatch.launch_params(impl, "gmm", t, lhs_RK.dtype.itemsize)
-    if impl == "triton":
-        from xmoe_jax.pallas.gmm_triton import gmm_triton
-
-        return gmm_triton(
-            lhs_RK,
-            rhs_EKN,
-            group_sizes_E,
-            out_dtype=out_dt,
-            tile=t,
-            transpose_rhs=transpose_rhs,
-            num_warps=num_warps or 8,
-            num_stages=num_stages or 3,
-        )
-    return gmm_pallas(
-        lhs_RK,
-        rhs_EKN,
-        group_sizes_E,
-        out_dtype=out_dt,
-        tile=t,
-        transpose_rhs=transpose_rhs,
-        interpret=dispatch.interpret(),
-        num_warps=num_warps,
-        num_stages=num_stages,
+    out_RN = jax.ShapeDtypeStruct((lhs_RK.shape[0], n_dim), out_dt)
+    call = backends.Call("gmm", (lhs_RK, rhs_EKN, out_RN), lhs_RK.shape[1], n_dim, tile)
+    backend = backends.choose_backend(impl, call)
+    return backend.gmm(
+        lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dt, tile=tile, transpose_rhs=transpose_rhs
     )
 
 
 def _tgmm_impl(lhs_RK, grad_RN, group_sizes_E, impl, out_dt, tile):
-    def shape_reason(name):
-        if name == "mgpu":
-            return gmm_mgpu.shape_reason(
-                "tgmm", lhs_RK.dtype, lhs_RK.shape[1], grad_RN.shape[1], _tile_for(name, tile, "tgmm")
-            )
-        if name == "pallas":
-            e, k, n = group_sizes_E.shape[0], lhs_RK.shape[1], grad_RN.shape[1]
-            return _pallas_reason(lhs_RK, grad_RN, jax.ShapeDtypeStruct((e, k, n), out_dt))
-        return None
-
-    impl = dispatch.resolve("tgmm", impl, shape_reason)
-    if impl == "xla":
-        return tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt)
-    t = _tile_for(impl, tile, "tgmm")
-    if impl == "mgpu":
-        return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt, tile=t)
-    num_warps, num_stages = dispatch.launch_params(impl, "tgmm", t, lhs_RK.dtype.itemsize)
-    if impl == "triton":
-        from xmoe_jax.pallas.gmm_triton import tgmm_triton
-
-        return tgmm_triton(
-            lhs_RK,
-            grad_RN,
-            group_sizes_E,
-            out_dtype=out_dt,
-            tile=t,
-            num_warps=num_warps or 8,
-            num_stages=num_stages or 3,
-        )
-    return tgmm_pallas(
-        lhs_RK,
-        grad_RN,
-        group_sizes_E,
-        out_dtype=out_dt,
-        tile=t,
-        interpret=dispatch.interpret(),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    """Run one weight-gradient grouped GEMM on `impl` (None: platform default) or its fallback."""
+    e_dim, k_dim, n_dim = group_sizes_E.shape[0], lhs_RK.shape[1], grad_RN.shape[1]
+    out_EKN = jax.ShapeDtypeStruct((e_dim, k_dim, n_dim), out_dt)
+    call = backends.Call("tgmm", (lhs_RK, grad_RN, out_EKN), k_dim, n_dim, tile)
+    backend = backends.choose_backend(impl, call)
+    return backend.tgmm(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dt, tile=tile)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -197,7 +114,7 @@ def gmm(
       rhs_EKN: [E, K, N] one weight matrix per group, same dtype as lhs.
       group_sizes_E: [E] int32 rows per group; rows past their sum come out as zeros.
       implementation: "xla", "pallas", "triton", "mgpu" or None (fastest measured for the
-        platform; see dispatch.py). Unavailable backends fall back, ending at "xla".
+        platform; see backends.py). Unavailable backends fall back, ending at "xla".
       preferred_element_type: output dtype (default lhs.dtype); accumulation is float32.
       tile: (block_m, block_k, block_n), powers of 2 for the kernel backends; None = tuned default.
       transpose_rhs: rhs is [E, N, K] and out[r] = lhs[r] @ rhs[e].T (no transposed copy is made;
@@ -207,7 +124,7 @@ def gmm(
     """
     check_gmm_args(lhs_RK, rhs_EKN, group_sizes_E, transpose_rhs=transpose_rhs)
     out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
-    dispatch.check_name(implementation)
+    backends.check_name(implementation)
     tile = _normalize_tile(tile)
     lhs_RK, rhs_EKN = match_vma(lhs_RK, rhs_EKN)
     return _gmm(lhs_RK, rhs_EKN, group_sizes_E, implementation, out_dt, tile, bool(transpose_rhs))
@@ -229,6 +146,6 @@ def tgmm(
     """
     check_tgmm_args(lhs_RK, grad_RN, group_sizes_E)
     out_dt = out_dtype(lhs_RK.dtype, preferred_element_type)
-    dispatch.check_name(implementation)
+    backends.check_name(implementation)
     lhs_RK, grad_RN = match_vma(lhs_RK, grad_RN)
     return _tgmm(lhs_RK, grad_RN, group_sizes_E, implementation, out_dt, _normalize_tile(tile))

@@ -23,81 +23,32 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from xmoe_jax.pallas import dispatch
-from xmoe_jax.pallas.permute_pallas import BLOCKS, combine_rows_pallas, gather_dot_pallas, scatter_rows_pallas
-from xmoe_jax.pallas.permute_xla import (
-    combine_rows_xla,
-    gather_dot_xla,
-    gather_rows_xla,
-    source_rows,
-)
-from xmoe_jax.pallas.validation import check_float, check_int32, check_rank
-from xmoe_jax.pallas.vma import match_vma
-
-_MAX_I32 = 2**31 - 1
+from xmoe_jax.kernels import backends  # a module import: backends.py imports this package's kernels
+from xmoe_jax.kernels.validation import check_float, check_int32, check_rank
+from xmoe_jax.kernels.vma import match_vma
 
 
-def _resolve(implementation: str | None, *arrays) -> str:
-    dispatch.check_name(implementation)
-    if implementation in ("triton", "mgpu"):
-        implementation = "pallas"
-
-    def shape_reason(name):
-        if name == "pallas" and any(a.size > _MAX_I32 for a in arrays):
-            return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
-        return None
-
-    return dispatch.resolve("permute", implementation, shape_reason)
-
-
-def _combine_rows(y_RD, dest_TK, weights_TK, impl):
-    if impl == "xla":
-        return combine_rows_xla(y_RD, dest_TK, weights_TK)
-    return combine_rows_pallas(
-        y_RD, dest_TK, weights_TK, interpret=dispatch.interpret(), **BLOCKS["combine_rows"]
-    )
-
-
-def _gather_dot(a_TD, b_RD, dest_TK, impl):
-    if impl == "xla":
-        return gather_dot_xla(a_TD, b_RD, dest_TK)
-    return gather_dot_pallas(a_TD, b_RD, dest_TK, interpret=dispatch.interpret(), **BLOCKS["gather_dot"])
-
-
-def _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl):
-    """out[dest[t,k]] = x[t] * w[t,k]; XLA gathers through the inverse map, Pallas scatters."""
-    if impl != "xla":
-        scale_TK = jnp.ones(dest_TK.shape, jnp.float32) if weights_TK is None else weights_TK
-        return scatter_rows_pallas(
-            x_TD, dest_TK, scale_TK, num_rows, interpret=dispatch.interpret(), **BLOCKS["scatter_rows"]
-        )
-    src_R = source_rows(dest_TK.reshape(-1), num_rows)
-    if weights_TK is None:
-        scale_R = (src_R >= 0).astype(jnp.float32)
-    else:
-        scale_R = jnp.where(
-            src_R >= 0, weights_TK.reshape(-1).astype(jnp.float32)[jnp.maximum(src_R, 0)], 0.0
-        )
-    return gather_rows_xla(x_TD, src_R, scale_R, dest_TK.shape[1])
+def _backend(implementation: str | None, *arrays) -> backends.Backend:
+    """The backend for a permute-family call on these operands / result (triton, mgpu: pallas's)."""
+    return backends.choose_backend(implementation, backends.Call("permute", arrays))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _permute(x_TD, dest_TK, weights_TK, num_rows, impl):
-    return _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl)
+def _permute(x_TD, dest_TK, weights_TK, num_rows, backend):
+    return backend.permute(x_TD, dest_TK, weights_TK, num_rows)
 
 
-def _permute_fwd(x_TD, dest_TK, weights_TK, num_rows, impl):
-    return _scatter_rows(x_TD, dest_TK, weights_TK, num_rows, impl), (x_TD, dest_TK, weights_TK)
+def _permute_fwd(x_TD, dest_TK, weights_TK, num_rows, backend):
+    return backend.permute(x_TD, dest_TK, weights_TK, num_rows), (x_TD, dest_TK, weights_TK)
 
 
-def _permute_bwd(num_rows, impl, res, dout_RD):
+def _permute_bwd(num_rows, backend, res, dout_RD):
     x_TD, dest_TK, weights_TK = res
-    dx_TD = _combine_rows(dout_RD, dest_TK, weights_TK, impl).astype(x_TD.dtype)
+    dx_TD = backend.combine(dout_RD, dest_TK, weights_TK).astype(x_TD.dtype)
     dw_TK = None
     if weights_TK is not None:
-        dw_TK = _gather_dot(x_TD, dout_RD, dest_TK, impl).astype(weights_TK.dtype)
+        dw_TK = backend.gather_dot(x_TD, dout_RD, dest_TK).astype(weights_TK.dtype)
     return dx_TD, None, dw_TK
 
 
@@ -105,18 +56,18 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(y_RD, dest_TK, weights_TK, impl):
-    return _combine_rows(y_RD, dest_TK, weights_TK, impl)
+def _combine(y_RD, dest_TK, weights_TK, backend):
+    return backend.combine(y_RD, dest_TK, weights_TK)
 
 
-def _combine_fwd(y_RD, dest_TK, weights_TK, impl):
-    return _combine_rows(y_RD, dest_TK, weights_TK, impl), (y_RD, dest_TK, weights_TK)
+def _combine_fwd(y_RD, dest_TK, weights_TK, backend):
+    return backend.combine(y_RD, dest_TK, weights_TK), (y_RD, dest_TK, weights_TK)
 
 
-def _combine_bwd(impl, res, dout_TD):
+def _combine_bwd(backend, res, dout_TD):
     y_RD, dest_TK, weights_TK = res
-    dy_RD = _scatter_rows(dout_TD, dest_TK, weights_TK, y_RD.shape[0], impl).astype(y_RD.dtype)
-    dw_TK = _gather_dot(dout_TD, y_RD, dest_TK, impl).astype(weights_TK.dtype)
+    dy_RD = backend.permute(dout_TD, dest_TK, weights_TK, y_RD.shape[0]).astype(y_RD.dtype)
+    dw_TK = backend.gather_dot(dout_TD, y_RD, dest_TK).astype(weights_TK.dtype)
     return dy_RD, None, dw_TK
 
 
@@ -160,7 +111,7 @@ def permute(
       dest_A: int32 [T*K] (or [T, K]) destination row of each copy; outside [0, R) = dropped.
       num_rows: R, rows of the sorted buffer (static).
       weights_TK: optional [T, K] per-copy scale (differentiable).
-      implementation: "xla", "pallas" or None (platform default); see dispatch.py.
+      implementation: "xla", "pallas" or None (platform default); see backends.py.
     """
     check_rank("x_TD", x_TD, 2, "[tokens, D]")
     check_float("x_TD", x_TD)
@@ -170,9 +121,10 @@ def permute(
     dest_TK = _dest_TK(dest_A, x_TD.shape[0])
     if weights_TK is not None:
         _check_weights(weights_TK, dest_TK)
-    impl = _resolve(implementation, x_TD, jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype))
+    out_RD = jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype)
+    backend = _backend(implementation, x_TD, out_RD)
     x_TD, weights_TK = match_vma(x_TD, weights_TK)
-    return _permute(x_TD, dest_TK, weights_TK, num_rows, impl)
+    return _permute(x_TD, dest_TK, weights_TK, num_rows, backend)
 
 
 def combine(
@@ -192,8 +144,7 @@ def combine(
     check_rank("weights_TK", weights_TK, 2, "[tokens, top_k]")
     dest_TK = _dest_TK(dest_A, weights_TK.shape[0])
     _check_weights(weights_TK, dest_TK)
-    impl = _resolve(
-        implementation, y_RD, jax.ShapeDtypeStruct((weights_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
-    )
+    out_TD = jax.ShapeDtypeStruct((weights_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
+    backend = _backend(implementation, y_RD, out_TD)
     y_RD, weights_TK = match_vma(y_RD, weights_TK)
-    return _combine(y_RD, dest_TK, weights_TK, impl)
+    return _combine(y_RD, dest_TK, weights_TK, backend)

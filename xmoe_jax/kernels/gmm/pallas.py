@@ -1,7 +1,7 @@
 """Grouped GEMMs as Triton-style Pallas kernels (Triton lowering on GPU, interpret mode on CPU).
 
 Legend: R rows grouped by expert, K contraction, N output columns, E experts (groups),
-I work items (see group_metadata.py); bm/bk/bn the tile (block_m, block_k, block_n).
+I work items (see metadata.py); bm/bk/bn the tile (block_m, block_k, block_n).
 
 Why Triton-style (plain pointer arithmetic over whole-array refs, masked loads and stores)
 rather than BlockSpecs: groups start at arbitrary rows, so a program's rows are not a block
@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from xmoe_jax.pallas.group_metadata import group_bounds, make_group_metadata
+from xmoe_jax.kernels.gmm.metadata import group_bounds, make_group_metadata
 
 _NN = (((1,), (0,)), ((), ()))  # x[m,k] @ w[k,n]
 _NT = (((1,), (1,)), ((), ()))  # x[m,k] @ w[n,k].T

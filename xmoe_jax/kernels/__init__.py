@@ -1,0 +1,37 @@
+"""Kernels for the MoE hot path, each beside its XLA reference (the oracle and the fallback).
+
+    from xmoe_jax.kernels import gmm, tgmm, permute, combine
+
+    x_sorted_RD = permute(x_TD, dest_A, num_rows)                 # tokens -> expert order
+    h_RF        = gmm(x_sorted_RD, w_up_EDF, group_sizes_E)       # grouped GEMM
+    y_TD        = combine(y_sorted_RD, dest_A, weights_TK)        # expert order -> tokens
+
+Backends (`implementation=`): "xla", "pallas" (Triton-style Pallas: Triton lowering on CUDA
+and ROCm, interpret mode on CPU), "triton" (jax-triton, GPU only), "mgpu" (Mosaic GPU,
+Hopper only); None picks the fastest measured one for the platform (defaults.py). All are
+differentiable through custom VJPs and fall back to XLA when they cannot run.
+
+Files, one folder per op:
+  gmm/       api.py (public gmm / tgmm, custom VJPs), xla.py (oracle), pallas.py, triton.py,
+             mgpu.py (one file per backend's kernels), metadata.py (row tile -> group work list)
+  permute/   api.py (public permute / combine, custom VJPs), xla.py (oracle), pallas.py
+  backends.py   IMPLEMENTATIONS, the registry of backend objects, and choose_backend (fallbacks)
+  defaults.py   per-platform default backend, tiles and launch parameters (measured data)
+  platform.py   platform detection (cpu / cuda / rocm, Hopper, installed packages)
+  validation.py argument checks;  vma.py  shard_map varying-axes alignment for the custom VJPs
+"""
+
+from xmoe_jax.kernels.backends import IMPLEMENTATIONS
+from xmoe_jax.kernels.defaults import DEFAULT_IMPLEMENTATION, default_implementation
+from xmoe_jax.kernels.gmm import gmm, tgmm
+from xmoe_jax.kernels.permute import combine, permute
+
+__all__ = [
+    "DEFAULT_IMPLEMENTATION",
+    "IMPLEMENTATIONS",
+    "combine",
+    "default_implementation",
+    "gmm",
+    "permute",
+    "tgmm",
+]

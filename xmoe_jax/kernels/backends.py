@@ -1,0 +1,260 @@
+"""The backend registry: the one table that maps a backend name to code, and the choice per call.
+
+Backends (`implementation=`), one object each in IMPLEMENTATIONS:
+  "xla"     jax.lax.ragged_dot / ragged_dot_general / gathers: the oracle, runs everywhere.
+  "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
+  "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
+  "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
+
+A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,
+missing package) and why it cannot take one call (`shape_reason`: shapes, dtypes, tile), and
+runs the ops it has kernels for (`ops`): "gmm", "tgmm", and "permute" (permute, combine and
+their gather-dot). `choose_backend` starts from the requested backend, or the platform's
+default (defaults.py), and walks `fallback` (mgpu -> pallas -> xla, triton -> pallas -> xla)
+past every backend that cannot run the call, with one warning per distinct reason, so a call
+never fails for lack of a kernel. A backend with no kernel of its own for an op (triton and
+mgpu for permute) hands it to its fallback without a warning. The choice is made at trace
+time from static facts only: a jitted function never compiles a kernel that cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from xmoe_jax.kernels import defaults
+from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
+from xmoe_jax.kernels.gmm import pallas as gmm_pallas
+from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
+from xmoe_jax.kernels.gmm import xla as gmm_xla
+from xmoe_jax.kernels.permute import pallas as permute_pallas
+from xmoe_jax.kernels.permute import xla as permute_xla
+from xmoe_jax.kernels.platform import has_module, interpret, is_hopper, platform
+from xmoe_jax.kernels.validation import check_tile
+
+_MAX_I32 = 2**31 - 1
+
+
+class Call(NamedTuple):
+    """The static facts of one kernel call that a backend may refuse."""
+
+    op: str  # "gmm", "tgmm" or "permute"
+    arrays: tuple  # operands and result (anything with .size and .dtype); arrays[0]'s dtype is the input's
+    k_dim: int = 0  # gmm / tgmm: contraction K and output columns N
+    n_dim: int = 0
+    tile: tuple[int, int, int] | None = None  # the requested tile; None = the backend's default
+
+
+class Backend:
+    """One way to run the kernels; a subclass overrides the ops it has kernels for.
+
+    Shapes follow the ops' legends: R rows, K contraction, N output columns, E experts for
+    gmm / tgmm; T tokens, D model, K top-k for permute. `tile` is the caller's (None: defaults.py).
+    """
+
+    name: str = ""
+    fallback: str | None = None  # the backend that takes a call this one cannot run
+    ops: frozenset[str] = frozenset()  # ops with a kernel of its own
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend {self.name!r}>"
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run on this machine at all (platform, package), or None."""
+        return None
+
+    def shape_reason(self, call: Call) -> str | None:
+        """Why it cannot take this call's shapes, dtypes or tile, or None."""
+        return None
+
+    def tile(self, op: str, tile) -> tuple[int, int, int]:
+        """The requested tile, checked, or this platform's default for this backend and op."""
+        return check_tile(defaults.default_tile(self.name, op) if tile is None else tile, power_of_two=True)
+
+    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+        """[R, N] grouped product (rhs [E, N, K] with transpose_rhs); see gmm/api.py."""
+        raise NotImplementedError(f"{self.name} has no gmm kernel")
+
+    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+        """[E, K, N] per-group lhs.T @ grad; see gmm/api.py."""
+        raise NotImplementedError(f"{self.name} has no tgmm kernel")
+
+    def permute(self, x_TD, dest_TK, weights_TK, num_rows):
+        """[R, D]: out[dest[t,k]] = x[t] * weights[t,k] (weights None: 1); see permute/api.py."""
+        raise NotImplementedError(f"{self.name} has no permute kernel")
+
+    def combine(self, y_RD, dest_TK, weights_TK):
+        """[T, D]: out[t] = sum_k weights[t,k] * y[dest[t,k]] (weights None: 1)."""
+        raise NotImplementedError(f"{self.name} has no combine kernel")
+
+    def gather_dot(self, a_TD, b_RD, dest_TK):
+        """float32 [T, K]: out[t,k] = a[t] . b[dest[t,k]] (the weight gradients)."""
+        raise NotImplementedError(f"{self.name} has no gather-dot kernel")
+
+
+class Xla(Backend):
+    """jax.lax ragged dots and gathers (gmm/xla.py, permute/xla.py): the oracle and last fallback."""
+
+    name = "xla"
+    ops = frozenset({"gmm", "tgmm", "permute"})
+
+    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+        return gmm_xla.gmm_xla(
+            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+        )
+
+    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+        return gmm_xla.tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype)
+
+    def permute(self, x_TD, dest_TK, weights_TK, num_rows):
+        return permute_xla.scatter_rows_xla(x_TD, dest_TK, weights_TK, num_rows)
+
+    def combine(self, y_RD, dest_TK, weights_TK):
+        return permute_xla.combine_rows_xla(y_RD, dest_TK, weights_TK)
+
+    def gather_dot(self, a_TD, b_RD, dest_TK):
+        return permute_xla.gather_dot_xla(a_TD, b_RD, dest_TK)
+
+
+class Pallas(Backend):
+    """Triton-style Pallas kernels (gmm/pallas.py, permute/pallas.py); interpret mode off-GPU."""
+
+    name, fallback = "pallas", "xla"
+    ops = frozenset({"gmm", "tgmm", "permute"})
+    gmm_kernel, tgmm_kernel = staticmethod(gmm_pallas.gmm_pallas), staticmethod(gmm_pallas.tgmm_pallas)
+
+    def unavailable_reason(self):
+        plat = platform()
+        return None if plat in ("cpu", "cuda", "rocm") else f"no Pallas Triton lowering on {plat}"
+
+    def shape_reason(self, call):
+        if any(a.size > _MAX_I32 for a in call.arrays):
+            return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
+        return None
+
+    def launch(self, op: str, tile, dtype) -> dict:
+        """The GEMM kernels' launch arguments: interpret mode, num_warps, num_stages (defaults.py)."""
+        num_warps, num_stages = defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
+        return dict(interpret=interpret(), num_warps=num_warps, num_stages=num_stages)
+
+    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+        tile = self.tile("gmm", tile)
+        return self.gmm_kernel(
+            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=tile, transpose_rhs=transpose_rhs,
+            **self.launch("gmm", tile, lhs_RK.dtype),
+        )  # fmt: skip
+
+    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+        tile = self.tile("tgmm", tile)
+        launch = self.launch("tgmm", tile, lhs_RK.dtype)
+        return self.tgmm_kernel(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, **launch)
+
+    def permute(self, x_TD, dest_TK, weights_TK, num_rows):
+        scale_TK = jnp.ones(dest_TK.shape, jnp.float32) if weights_TK is None else weights_TK
+        blocks = permute_pallas.BLOCKS["scatter_rows"]
+        return permute_pallas.scatter_rows_pallas(
+            x_TD, dest_TK, scale_TK, num_rows, interpret=interpret(), **blocks
+        )
+
+    def combine(self, y_RD, dest_TK, weights_TK):
+        blocks = permute_pallas.BLOCKS["combine_rows"]
+        return permute_pallas.combine_rows_pallas(y_RD, dest_TK, weights_TK, interpret=interpret(), **blocks)
+
+    def gather_dot(self, a_TD, b_RD, dest_TK):
+        blocks = permute_pallas.BLOCKS["gather_dot"]
+        return permute_pallas.gather_dot_pallas(a_TD, b_RD, dest_TK, interpret=interpret(), **blocks)
+
+
+class Triton(Pallas):
+    """Pallas's GEMM algorithm written in Triton (gmm/triton.py), run through jax-triton on a GPU.
+
+    It shares Pallas's gmm / tgmm methods with its own kernels and launch arguments; it has no
+    permute kernels (`ops`), so permute runs on its fallback, pallas.
+    """
+
+    name, fallback = "triton", "pallas"
+    ops = frozenset({"gmm", "tgmm"})
+    gmm_kernel, tgmm_kernel = staticmethod(gmm_triton.gmm_triton), staticmethod(gmm_triton.tgmm_triton)
+
+    def unavailable_reason(self):
+        plat = platform()
+        if plat not in ("cuda", "rocm"):
+            return f"jax-triton needs a GPU, platform is {plat}"
+        if not (has_module("jax_triton") and has_module("triton")):
+            return "jax-triton is not installed (pip install 'xmoe_jax[triton]')"
+        return None
+
+    def shape_reason(self, call):
+        return None  # 64-bit row offsets: no 2^31-element limit
+
+    def launch(self, op: str, tile, dtype) -> dict:
+        num_warps, num_stages = defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
+        return dict(num_warps=num_warps or 8, num_stages=num_stages or 3)
+
+
+class Mosaic(Backend):
+    """JAX's Mosaic-GPU ragged dots (gmm/mgpu.py), Hopper only; permute runs on pallas."""
+
+    name, fallback = "mgpu", "pallas"
+    ops = frozenset({"gmm", "tgmm"})
+
+    def unavailable_reason(self):
+        if not is_hopper():
+            return "Mosaic GPU ragged dot needs an NVIDIA Hopper GPU"
+        if not has_module("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu"):
+            return "jax.experimental.pallas.ops.gpu.ragged_dot_mgpu is not in this jax"
+        return None
+
+    def shape_reason(self, call):
+        tile = self.tile(call.op, call.tile)
+        return gmm_mgpu.shape_reason(call.op, call.arrays[0].dtype, call.k_dim, call.n_dim, tile)
+
+    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+        return gmm_mgpu.gmm_mgpu(
+            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=self.tile("gmm", tile),
+            transpose_rhs=transpose_rhs,
+        )  # fmt: skip
+
+    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+        tile = self.tile("tgmm", tile)
+        return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile)
+
+
+IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (Xla(), Pallas(), Triton(), Mosaic())}
+
+
+def check_name(implementation: str | None) -> None:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {tuple(IMPLEMENTATIONS)} or None, got {implementation!r}"
+        )
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
+def reset_warnings() -> None:
+    """Let every fallback warn again (scripts that report which backend actually ran)."""
+    _warn_once.cache_clear()
+
+
+def choose_backend(implementation: str | None, call: Call) -> Backend:
+    """The backend that runs `call`: the requested one (None: the platform's default for the op),
+    or the first one along its fallback chain that can run here and take the call."""
+    check_name(implementation)
+    name = defaults.default_implementation(call.op) if implementation is None else implementation
+    while True:
+        backend = IMPLEMENTATIONS[name]
+        if call.op not in backend.ops:  # no kernel of its own for this op: its fallback's, silently
+            name = backend.fallback
+            continue
+        reason = backend.unavailable_reason() or backend.shape_reason(call)
+        if reason is None:
+            return backend
+        _warn_once(f"{call.op}: implementation {name!r} unavailable ({reason}); using {backend.fallback!r}")
+        name = backend.fallback

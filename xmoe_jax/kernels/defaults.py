@@ -1,0 +1,68 @@
+"""Measured choices beside the backend registry: default backend, tiles and launch parameters per platform.
+
+Data only (and three look-ups), kept apart from backends.py so that retuning after a run of
+scripts/bench_gmm.py touches numbers, not code. Keys are backend names of
+backends.IMPLEMENTATIONS, platforms of platform.platform(), and ops "gmm", "tgmm", "permute".
+"""
+
+from __future__ import annotations
+
+from xmoe_jax.kernels.platform import platform
+
+# Fastest measured backend per platform and op (scripts/bench_gmm.py, one H100, jax 0.11.2,
+# X-MoE Small and Large expert shapes, bf16): pallas reached 74-87% of a same-shape dense
+# matmul in fwd/dgrad/wgrad; triton (jax-triton) was within 0-8% of it but is an extra package;
+# mgpu (JAX's untuned Mosaic ragged dots) 36-45% in fwd/dgrad, 51-70% in wgrad; XLA 1-3%.
+# Permute/combine: pallas 80-82% of device-copy bandwidth, XLA's permute 46%.
+DEFAULT_IMPLEMENTATION = {
+    "cpu": {"gmm": "xla", "tgmm": "xla", "permute": "xla"},
+    "cuda": {"gmm": "pallas", "tgmm": "pallas", "permute": "pallas"},
+    "rocm": {"gmm": "pallas", "tgmm": "pallas", "permute": "pallas"},
+}
+
+# (block_m, block_k, block_n) per (backend, platform) and op. For tgmm block_m is the chunk of
+# rows reduced per step and (block_k, block_n) the output tile. Tests pass their own tiles.
+# CUDA values: best of scripts/bench_gmm.py --sweep on one H100 (Small up-projection, bf16).
+_CUDA_TILES = {"gmm": (128, 64, 256), "tgmm": (64, 128, 256)}
+_CUDA_LAUNCH = {"gmm": (8, 4), "tgmm": (8, 3)}  # (num_warps, num_stages)
+# ROCm: untuned guesses sized for 64 KiB of LDS; measure before trusting.
+_ROCM_TILES = {"gmm": (128, 64, 128), "tgmm": (64, 64, 128)}
+_ROCM_LAUNCH = {"gmm": (8, 2), "tgmm": (8, 2)}
+DEFAULT_TILES = {
+    ("pallas", "cpu"): {"gmm": (16, 16, 16), "tgmm": (16, 16, 16)},
+    ("pallas", "cuda"): dict(_CUDA_TILES),
+    ("triton", "cuda"): dict(_CUDA_TILES),
+    ("mgpu", "cuda"): {"gmm": (128, 64, 128), "tgmm": (128, 64, 128)},
+    ("pallas", "rocm"): dict(_ROCM_TILES),
+    ("triton", "rocm"): dict(_ROCM_TILES),
+}
+# Triton launch parameters (num_warps, num_stages) per (backend, platform) and op.
+LAUNCH = {
+    ("pallas", "cuda"): dict(_CUDA_LAUNCH),
+    ("triton", "cuda"): dict(_CUDA_LAUNCH),
+    ("pallas", "rocm"): dict(_ROCM_LAUNCH),
+    ("triton", "rocm"): dict(_ROCM_LAUNCH),
+}
+SHARED_MEMORY_BYTES = {"cuda": 227 * 1024, "rocm": 64 * 1024}
+
+
+def default_implementation(op: str) -> str:
+    """The backend `implementation=None` asks for: the fastest measured one for this platform."""
+    return DEFAULT_IMPLEMENTATION.get(platform(), {}).get(op, "xla")
+
+
+def default_tile(implementation: str, op: str = "gmm") -> tuple[int, int, int]:
+    return DEFAULT_TILES.get((implementation, platform()), _CUDA_TILES)[op]
+
+
+def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[int | None, int | None]:
+    """(num_warps, num_stages), with stages cut until the pipelined tiles fit in shared memory."""
+    num_warps, num_stages = LAUNCH.get((implementation, platform()), {}).get(op, (None, None))
+    limit = SHARED_MEMORY_BYTES.get(platform())
+    if num_stages is None or limit is None:
+        return num_warps, num_stages
+    bm, bk, bn = tile
+    per_stage = (bm * bk + (bk * bn if op == "gmm" else bm * bn)) * itemsize
+    while num_stages > 1 and num_stages * per_stage > limit:
+        num_stages -= 1
+    return num_warps, num_stages

@@ -1,0 +1,5 @@
+"""Grouped GEMMs: `gmm` (forward, and gmm's input gradient) and `tgmm` (its weight gradient)."""
+
+from xmoe_jax.kernels.gmm.api import gmm, tgmm
+
+__all__ = ["gmm", "tgmm"]
