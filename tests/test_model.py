@@ -47,7 +47,7 @@ def test_full_size_spec_matches_param_count(name: str) -> None:
     assert sum(math.prod(x.shape) for x in leaves) == count_params(cfg).total
     assert all(x.dtype == jnp.dtype(cfg.param_dtype) for x in leaves)
     bias_leaves = jax.tree.leaves(spec.bias_shape)
-    assert len(bias_leaves) == (cfg.num_moe_layers if cfg.moe.has_router_bias else 0)
+    assert sum(x.shape[0] for x in bias_leaves) == (cfg.num_moe_layers if cfg.moe.has_router_bias else 0)
     _check_logical(spec)
 
 
@@ -61,8 +61,10 @@ def _check_logical(spec) -> None:
             assert isinstance(names, tuple) and len(names) == len(x.shape), (path, names, x.shape)
             assert all(n is None or n in PARAM_RULES for n in names), (path, names)
             logical_to_spec(names, PARAM_RULES)  # every name has a rule
+            stacked = getattr(path[0], "key", None) in ("dense_layers", "moe_layers")
+            assert (names[0] == "layers") == stacked, (path, names)  # a layer stack's leading axis
             if any(getattr(k, "key", None) == "experts" for k in path):
-                assert names[0] == "experts", (path, names)
+                assert names[stacked] == "experts", (path, names)
 
 
 def test_router_bias_lives_in_bias_tree_only_for_sigmoid() -> None:
@@ -71,9 +73,9 @@ def test_router_bias_lives_in_bias_tree_only_for_sigmoid() -> None:
     sigmoid_cfg = _tiny(score_func="sigmoid", num_groups=2, topk_groups=1)
     spec = model_spec(sigmoid_cfg)
     flat = jax.tree_util.tree_flatten_with_path(spec.bias_shape)[0]
-    assert len(flat) == sigmoid_cfg.num_moe_layers
+    assert len(flat) == 1  # one [L, E] bias for the MoE layer stack
     for path, x in flat:
-        assert x.shape == (sigmoid_cfg.moe.num_experts,) and x.dtype == jnp.float32
+        assert x.shape == (sigmoid_cfg.num_moe_layers, sigmoid_cfg.moe.num_experts) and x.dtype == jnp.float32
         assert [getattr(k, "key", None) for k in path[-3:]] == ["moe", "router", "bias"]
     # the bias is not a trainable parameter and not counted
     param_paths = [

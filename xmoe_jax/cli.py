@@ -129,5 +129,51 @@ def params_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def plan_main(argv: list[str] | None = None) -> int:
+    p = _parser(
+        "xmoe-plan", "Per-device memory of a config's train step on N devices (ahead-of-time compile)."
+    )
+    p.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 64GiB or 80GB")
+    p.add_argument(
+        "--real-devices", action="store_true", help="compile for this host's accelerators (count must match)"
+    )
+    p.add_argument("--out", default=None, help="also write the plan as JSON here")
+    args = p.parse_args(argv)
+    if args.devices < 1:
+        return _fail(ConfigError(f"--devices={args.devices} must be >= 1"))
+    if not args.real_devices:  # before JAX starts: N fake CPU devices, Pallas kernels (see xmoe_jax/plan.py)
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ.setdefault("XMOE_KERNELS", "pallas")
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()
+    import jax
+
+    from xmoe_jax.plan import parse_bytes, plan
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        if jax.device_count() != args.devices:
+            raise ConfigError(
+                f"--devices={args.devices} but JAX has {jax.device_count()} devices "
+                f"({'set by XLA_FLAGS already' if not args.real_devices else 'this host'}); "
+                "plan for the devices there are, or run in a fresh process"
+            )
+        result = plan(cfg, memory)
+    except (ConfigError, ValueError) as err:
+        return _fail(err)
+    print(result.table())
+    if args.out:
+        import json
+
+        with open(args.out, "w") as f:
+            json.dump(result.as_dict(), f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(train_main())

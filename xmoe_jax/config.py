@@ -28,6 +28,8 @@ AuxLossType = Literal["micro_batch", "sequence", "none"]
 DType = Literal["bfloat16", "float32", "float16"]
 ParamDType = Literal["float32", "bfloat16"]
 DataSource = Literal["synthetic", "text"]
+AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
+RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
 NanPolicy = Literal["stop", "skip"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
@@ -215,6 +217,14 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: DType = "bfloat16"
     param_dtype: ParamDType = "float32"
+    # attention backend (model/attention.py): auto = cuDNN on NVIDIA, Pallas on ROCm, XLA elsewhere
+    attention: AttentionImpl = "auto"
+    # activation checkpointing per block (xmoe_jax/remat.py has what each mode keeps)
+    remat: RematMode = "none"
+    # layers run as a scan over stacked parameters (compile time flat in depth); true = a Python loop
+    unroll_layers: bool = False
+    # cross-entropy in chunks of this many sequence positions (never [B,S,V] float32 logits); 0 = whole
+    loss_chunk: int = 512
     moe: MoEConfig | None = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -240,6 +250,7 @@ class ModelConfig:
             self.moe is not None or self.num_dense_layers == self.num_layers,
             f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",
         )
+        _check(self.loss_chunk >= 0, f"{p}loss_chunk={self.loss_chunk} must be >= 0 (0 = no chunking)")
 
     @property
     def kv_heads(self) -> int:
@@ -379,6 +390,8 @@ class TrainConfig:
     seq_len: int = 64
     seed: int = 0
     log_every: int = 10
+    # gradient accumulation: sequences per micro-batch (global); None = the whole batch at once
+    micro_batch_size: int | None = None
     run_dir: str = "runs/default"
     nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind
@@ -388,6 +401,11 @@ class TrainConfig:
         _check(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
         _check(self.seq_len >= 1, f"train.seq_len={self.seq_len} must be >= 1")
         _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        if self.micro_batch_size is not None:
+            _check(
+                self.micro_batch_size >= 1 and self.batch_size % self.micro_batch_size == 0,
+                f"train.micro_batch_size={self.micro_batch_size} must divide train.batch_size={self.batch_size}",
+            )
         _check_choices(self, "train.")
 
 
@@ -437,6 +455,12 @@ class Config:
             f"train.batch_size={self.train.batch_size} is not divisible by data*expert={shards} "
             "batch shards; use a multiple",
         )
+        micro = self.train.micro_batch_size
+        _check(
+            micro is None or micro % shards == 0,
+            f"train.micro_batch_size={micro} is not divisible by data*expert={shards} batch shards; "
+            "every micro-batch is split over all of them: use a multiple",
+        )
         if self.parallel.sequence_parallel:
             _check(
                 self.train.seq_len % tensor == 0,
@@ -444,7 +468,7 @@ class Config:
                 "parallel.sequence_parallel splits each sequence over the tensor axis",
             )
         if self.model.moe is not None and self.parallel.ssmb:
-            local_tokens = self.train.batch_size // shards * self.train.seq_len
+            local_tokens = (micro or self.train.batch_size) // shards * self.train.seq_len
             _check(
                 local_tokens % tensor == 0,
                 f"parallel.ssmb: the {local_tokens} tokens per data*expert shard are not divisible by "

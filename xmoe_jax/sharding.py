@@ -44,6 +44,7 @@ TENSOR_AXIS = "tensor"  # tensor parallelism; SSMB splits MoE tokens over it
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
 PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "layers": None,  # the leading axis of a layer stack
     "vocab": "tensor",
     "embed": None,
     "heads": "tensor",

@@ -7,6 +7,8 @@ backends.IMPLEMENTATIONS, platforms of platform.platform(), and ops "gmm", "tgmm
 
 from __future__ import annotations
 
+import os
+
 from xmoe_jax.kernels.platform import platform
 
 # Fastest measured backend per platform and op (scripts/bench_gmm.py, one H100, jax 0.11.2,
@@ -47,7 +49,12 @@ SHARED_MEMORY_BYTES = {"cuda": 227 * 1024, "rocm": 64 * 1024}
 
 
 def default_implementation(op: str) -> str:
-    """The backend `implementation=None` asks for: the fastest measured one for this platform."""
+    """The backend `implementation=None` asks for: the fastest measured one for this platform, or
+    the one named by XMOE_KERNELS (e.g. the memory planner compiles the Pallas kernels on CPU so
+    that no dense ragged_dot lowering inflates its temporaries)."""
+    forced = os.environ.get("XMOE_KERNELS")
+    if forced:
+        return forced
     return DEFAULT_IMPLEMENTATION.get(platform(), {}).get(op, "xla")
 
 

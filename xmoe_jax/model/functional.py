@@ -44,9 +44,12 @@ def _nested(state: nnx.State, leaf_fn) -> dict:
 
 
 def _logical(var: nnx.Variable) -> tuple:
+    """The variable's logical names; a layer stack's leading axis is "layers"."""
     names = var.get_metadata().get("logical")
     ndim = len(var.get_value().shape)
-    return tuple(names) if names is not None else (None,) * ndim
+    if names is None:
+        return (None,) * ndim
+    return ("layers",) * (ndim - len(names)) + tuple(names)
 
 
 def _shape(var: nnx.Variable) -> jax.ShapeDtypeStruct:
@@ -91,6 +94,14 @@ def init_params(spec: ModelSpec, key: jax.Array, mesh: Mesh | None = None, fsdp:
 
 
 def apply(spec: ModelSpec, params: dict, bias: dict, tokens_BS: jax.Array):
-    """Float32 logits [B,S,V] and each MoE layer's statistics keyed by module path."""
+    """Float32 logits [B,S,V] and the MoE statistics keyed by module path (evaluation, tests)."""
     model = nnx.merge(spec.graphdef, params, bias)
-    return model(tokens_BS)
+    h_BSD, stats = model(tokens_BS)
+    return model.logits(h_BSD), stats
+
+
+def loss(spec: ModelSpec, params: dict, bias: dict, inputs_BS: jax.Array, targets_BS: jax.Array):
+    """Mean next-token cross-entropy (chunked: no [B,S,V] logits) and the MoE statistics."""
+    model = nnx.merge(spec.graphdef, params, bias)
+    h_BSD, stats = model(inputs_BS)
+    return model.loss(h_BSD, targets_BS), stats

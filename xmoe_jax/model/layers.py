@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xmoe_jax.config import ModelConfig
+from xmoe_jax.model.attention import attend
+from xmoe_jax.remat import ATTN_CORE, ATTN_QKV, MLP_HIDDEN, MLP_OUT, tag
 
 
 def param(rngs: nnx.Rngs, shape, logical, std: float, dtype) -> nnx.Param:
@@ -71,16 +73,22 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
         self.theta = cfg.rope_theta
+        self.implementation = cfg.attention
 
     def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
         dt = x_BSD.dtype
         positions_S = jnp.arange(x_BSD.shape[1])
         q_names, kv_names = ("batch", None, "heads", "head_dim"), ("batch", None, "kv_heads", "head_dim")
-        q_BSHK = constrain(jnp.einsum("bsd,dhk->bshk", x_BSD, self.wq[...].astype(dt)), q_names)
-        k_BSGK = constrain(jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wk[...].astype(dt)), kv_names)
-        v_BSGK = constrain(jnp.einsum("bsd,dgk->bsgk", x_BSD, self.wv[...].astype(dt)), kv_names)
+
+        def project(w, spec, names):
+            return tag(constrain(jnp.einsum(spec, x_BSD, w[...].astype(dt)), names), ATTN_QKV)
+
+        q_BSHK = project(self.wq, "bsd,dhk->bshk", q_names)
+        k_BSGK = project(self.wk, "bsd,dgk->bsgk", kv_names)
+        v_BSGK = project(self.wv, "bsd,dgk->bsgk", kv_names)
         q_BSHK, k_BSGK = rope(q_BSHK, positions_S, self.theta), rope(k_BSGK, positions_S, self.theta)
-        o_BSHK = constrain(jax.nn.dot_product_attention(q_BSHK, k_BSGK, v_BSGK, is_causal=True), q_names)
+        o_BSHK = attend(q_BSHK, k_BSGK, v_BSGK, self.implementation, shard_names=(q_names, kv_names))
+        o_BSHK = tag(constrain(o_BSHK, q_names), ATTN_CORE)
         return jnp.einsum("bshk,hkd->bsd", o_BSHK, self.wo[...].astype(dt))
 
 
@@ -105,8 +113,8 @@ class MLP(nnx.Module):
         dt, w = x_BSD.dtype, self.weights()
 
         def hidden(name):
-            return constrain(x_BSD @ w[name].astype(dt), ("batch", None, "mlp"))
+            return tag(constrain(x_BSD @ w[name].astype(dt), ("batch", None, "mlp")), MLP_HIDDEN)
 
         h_BSF = hidden("w_up")
         h_BSF = jax.nn.silu(hidden("w_gate")) * h_BSF if self.activation == "swiglu" else jax.nn.gelu(h_BSF)
-        return h_BSF @ w["w_down"].astype(dt)
+        return tag(h_BSF @ w["w_down"].astype(dt), MLP_OUT)

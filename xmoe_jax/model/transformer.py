@@ -1,7 +1,17 @@
 """Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head.
 
-Shapes: B batch, S sequence, D model, V vocab. Pre-norm residual blocks; untied
-embedding and output head; bf16 compute (model.dtype) over float32 master weights.
+Shapes: B batch, S sequence, D model, V vocab, L layers of a stack. Pre-norm
+residual blocks; untied embedding and output head; bf16 compute (model.dtype) over
+float32 master weights.
+
+Layers live in two stacks, `dense_layers` and `moe_layers`: one Block's variables
+with a leading [L] axis. The forward pass runs each stack as a `jax.lax.scan` over
+that axis, so the program (and its compile time) does not grow with depth;
+`model.unroll_layers` runs the same parameters through a Python loop instead
+(debugging; the same losses). Each block runs under the `model.remat` policy
+(xmoe_jax/remat.py). The blocks are created one after another from one RNG stream
+(embedding, dense layers, MoE layers, head: the order of the per-layer model this
+replaced), so initial weights do not depend on the layout.
 
 The residual stream is laid out ("batch", "residual_seq", "embed"): batch over the
 token axes and, with `parallel.sequence_parallel`, the sequence split over the tensor
@@ -20,10 +30,13 @@ from flax import nnx
 from xmoe_jax import sharding
 from xmoe_jax.config import ModelConfig, ParallelConfig
 from xmoe_jax.model.layers import MLP, Attention, RMSNorm, dtypes, param
+from xmoe_jax.model.loss import chunked_cross_entropy
 from xmoe_jax.model.moe_block import MoEBlock
 from xmoe_jax.moe.stats import MoEStats
+from xmoe_jax.remat import ATTN_OUT, MOE_OUT, remat, tag
 
 RESIDUAL = ("batch", "residual_seq", "embed")
+STACKS = ("dense_layers", "moe_layers")
 
 
 def _constrainer(parallel: ParallelConfig):
@@ -46,14 +59,23 @@ class Block(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         constrain = _constrainer(self.parallel)
-        x_BSD = x_BSD + constrain(self.attn(self.attn_norm(x_BSD), constrain), RESIDUAL)
+        attn_BSD = tag(constrain(self.attn(self.attn_norm(x_BSD), constrain), RESIDUAL), ATTN_OUT)
+        x_BSD = x_BSD + attn_BSD
         h_BSD = self.mlp_norm(x_BSD)
         if self.is_moe:
             y_BSD, stats = self.moe(h_BSD)
+            y_BSD = tag(y_BSD, MOE_OUT)
         else:
             y_BSD, stats = self.mlp(h_BSD, constrain), None
         x_BSD = constrain(x_BSD + y_BSD, RESIDUAL)
         return x_BSD, stats
+
+
+def _stack(blocks: list[Block]) -> Block:
+    """One Block whose variables carry a leading [L] axis: the blocks' variables stacked."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.split(b)[1] for b in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
 
 
 class Transformer(nnx.Module):
@@ -63,26 +85,54 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.parallel = parallel
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden), ("vocab", "embed"), 1.0, pdt)
-        self.layers = nnx.Dict(
-            {
-                f"layer_{i:03d}": Block(cfg, i >= cfg.num_dense_layers, rngs, parallel)
-                for i in range(cfg.num_layers)
-            }
-        )
+        if cfg.num_dense_layers:
+            self.dense_layers = _stack(
+                [Block(cfg, False, rngs, parallel) for _ in range(cfg.num_dense_layers)]
+            )
+        if cfg.num_moe_layers:
+            self.moe_layers = _stack([Block(cfg, True, rngs, parallel) for _ in range(cfg.num_moe_layers)])
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
         self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
 
+    def _run_stack(self, stack: Block, x_BSD: jax.Array):
+        graphdef, state = nnx.split(stack)
+
+        def layer(x_BSD, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BSD)
+
+        layer = remat(layer, self.cfg.remat)
+        if not self.cfg.unroll_layers:
+            return jax.lax.scan(layer, x_BSD, state)
+        num_layers = jax.tree.leaves(state)[0].shape[0]
+        outs = []
+        for i in range(num_layers):
+            x_BSD, stats = layer(x_BSD, jax.tree.map(lambda a, i=i: a[i], state))
+            outs.append(stats)
+        return x_BSD, (jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] is not None else None)
+
     def __call__(self, tokens_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
-        """Float32 logits [B,S,V] and each MoE layer's statistics keyed by its module path."""
+        """The final-normed hidden states [B,S,D] and the MoE statistics ([L] leaves) keyed by
+        the MoE block's module path ("moe_layers/moe")."""
         dt, _ = dtypes(self.cfg)
         constrain = _constrainer(self.parallel)
         x_BSD = constrain(jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt), RESIDUAL)
         stats = {}
-        for name in sorted(self.layers.keys()):
-            x_BSD, layer_stats = self.layers[name](x_BSD)
-            if layer_stats is not None:
-                stats[f"layers/{name}/moe"] = layer_stats
-        x_BSD = self.final_norm(x_BSD)
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.lm_head[...].astype(dt)).astype(jnp.float32)
-        logits_BSV = constrain(logits_BSV, ("batch", "seq", "vocab"))
-        return logits_BSV, stats
+        for name in STACKS:
+            if hasattr(self, name):
+                x_BSD, stack_stats = self._run_stack(getattr(self, name), x_BSD)
+                if stack_stats is not None:
+                    stats[f"{name}/moe"] = stack_stats
+        return self.final_norm(x_BSD), stats
+
+    def logits(self, h_BSD: jax.Array) -> jax.Array:
+        """Float32 logits [B,S,V] of final hidden states (evaluation, generation, tests)."""
+        dt, _ = dtypes(self.cfg)
+        logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.lm_head[...].astype(dt)).astype(jnp.float32)
+        return _constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
+
+    def loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy, chunked over the sequence (model.loss_chunk)."""
+        dt, _ = dtypes(self.cfg)
+        return chunked_cross_entropy(
+            h_BSD, self.lm_head[...].astype(dt), targets_BS, self.cfg.loss_chunk, _constrainer(self.parallel)
+        )

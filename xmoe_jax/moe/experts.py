@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.kernels import gmm
+from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
 
 def _act(h_gate, h_up, activation: str):
@@ -22,11 +23,12 @@ def _act(h_gate, h_up, activation: str):
 def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Array:
     """Each expert e applied to its own rows x_ECD[e]; compute in x's dtype."""
     dtype = x_ECD.dtype
-    h_up = jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_up"].astype(dtype))
+    h_up = tag(jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_up"].astype(dtype)), EXPERT_HIDDEN)
     h_gate = None
     if activation == "swiglu":
-        h_gate = jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_gate"].astype(dtype))
-    return jnp.einsum("ecf,efd->ecd", _act(h_gate, h_up, activation), experts["w_down"].astype(dtype))
+        h_gate = tag(jnp.einsum("ecd,edf->ecf", x_ECD, experts["w_gate"].astype(dtype)), EXPERT_HIDDEN)
+    out_ECD = jnp.einsum("ecf,efd->ecd", _act(h_gate, h_up, activation), experts["w_down"].astype(dtype))
+    return tag(out_ECD, EXPERT_OUT)
 
 
 def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
@@ -55,6 +57,10 @@ def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, ac
     """
     dtype = x_RD.dtype
     gs_E = group_sizes_E.astype(jnp.int32)
-    h_up = gmm(x_RD, experts["w_up"].astype(dtype), gs_E)
-    h_gate = gmm(x_RD, experts["w_gate"].astype(dtype), gs_E) if activation == "swiglu" else None
-    return gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E)
+    h_up = tag(gmm(x_RD, experts["w_up"].astype(dtype), gs_E), EXPERT_HIDDEN)
+    h_gate = (
+        tag(gmm(x_RD, experts["w_gate"].astype(dtype), gs_E), EXPERT_HIDDEN)
+        if activation == "swiglu"
+        else None
+    )
+    return tag(gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E), EXPERT_OUT)

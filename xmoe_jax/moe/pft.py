@@ -40,6 +40,7 @@ from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, w
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats
+from xmoe_jax.remat import MOE_DISPATCHED, tag
 
 
 class ExchangeSpec(NamedTuple):
@@ -109,7 +110,7 @@ def pft_stages(
 
     counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
     dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
-    x_send_AD = permute(x_TD, dest_TK, num_send)
+    x_send_AD = tag(permute(x_TD, dest_TK, num_send), MOE_DISPATCHED)
     yield "send_buffer", (x_send_AD,)
 
     if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
@@ -132,7 +133,7 @@ def pft_stages(
         yield "exchange", (x_recv_MD,)
         cc_PL = cc_PQL[:, me, :]
         grouped_M = _grouped_index(cc_PL, num_recv)
-        x_grp_MD = permute(x_recv_MD, grouped_M[:, None], num_recv)
+        x_grp_MD = tag(permute(x_recv_MD, grouped_M[:, None], num_recv), MOE_DISPATCHED)
         y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), spec.activation)
         yield "experts", (y_grp_MD,)
         y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((num_recv, 1), jnp.float32))

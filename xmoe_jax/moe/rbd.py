@@ -38,6 +38,7 @@ from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
+from xmoe_jax.remat import MOE_DISPATCHED, tag
 
 
 def stage2_spec(
@@ -130,7 +131,9 @@ def rbd_stages(
     # 2. stage 1 along the node axis
     sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node] pilots
     plan = plan_from_sizes(sizes_PQ, sizes_PQ, jax.lax.axis_index(node_axis))
-    x_pil_MD = exchange(x_send_AD, plan, num_recv, num_send, node_axis, transport, num_tokens)
+    x_pil_MD = tag(
+        exchange(x_send_AD, plan, num_recv, num_send, node_axis, transport, num_tokens), MOE_DISPATCHED
+    )
     w_pil_MS = exchange(w_send_AS, plan, num_recv, num_send, node_axis, transport, num_tokens)
     idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, transport, num_tokens)
     valid_M = jnp.arange(num_recv) < plan.recv_sizes_P.sum()

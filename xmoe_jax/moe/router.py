@@ -123,6 +123,6 @@ def z_loss(logits_TE: jax.Array, axis_names: tuple[str, ...] = ()) -> jax.Array:
 
 
 def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
-    """Aux-loss-free balancing: bias += rate * sign(mean_load - load_e)."""
+    """Aux-loss-free balancing: bias += rate * sign(mean_load - load_e) (per layer for [L, E])."""
     load_E = tokens_per_expert_E.astype(jnp.float32)
-    return bias_E + rate * jnp.sign(load_E.mean() - load_E)
+    return bias_E + rate * jnp.sign(load_E.mean(-1, keepdims=True) - load_E)

@@ -217,6 +217,13 @@ class Checkpointer:
             ) from e
         return {k: meta[k] for k in _ITEMS if k in meta}
 
+    def saved_state_paths(self, step: int) -> list[str]:
+        """Leaf paths ("params/embed", ...) of the state saved at `step` (empty without metadata)."""
+        meta = self._saved_items(step).get("state")
+        if meta is None:
+            return []
+        return list(_leaf_shapes(getattr(meta, "tree", meta), is_leaf=_is_meta_leaf))
+
     def read_config(self, step: int | None = None) -> dict:
         """The config dict saved at `step` (latest if None)."""
         step = self._resolve_step(step)

@@ -20,6 +20,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_input
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train import layout
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
@@ -99,6 +100,21 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main)
 
 
+def _restore(
+    ckpt: Checkpointer, abstract: TrainState, shardings: TrainState, data_iter, step: int, cfg: Config
+):
+    """The train state at `step`; a checkpoint of the per-layer layout is read into the layer stacks."""
+    if not layout.is_per_layer(ckpt.saved_state_paths(step)):
+        return TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, step))
+    num_dense = cfg.model.num_dense_layers
+    restored = ckpt.restore(layout.per_layer_target(abstract.as_dict(), num_dense), data_iter, step)
+    log.info(
+        "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore", step
+    )
+    stacked = TrainState.from_dict(layout.stack_per_layer(restored, num_dense))
+    return jax.device_put(stacked, shardings)
+
+
 def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
@@ -107,8 +123,7 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
     if start is None:
         state = init_state(spec, optimizer, cfg, mesh, shardings)
     else:
-        abstract = abstract_state(spec, optimizer, shardings)
-        state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, start))
+        state = _restore(ckpt, abstract_state(spec, optimizer, shardings), shardings, data_iter, start, cfg)
         log.info("resumed from %s at step %d", ckpt_dir, start)
     step_fn = tstep.make_train_step(spec, optimizer, cfg, mesh, shardings)
     data_sh = tstep.batch_sharding(mesh, cfg)

@@ -1,8 +1,15 @@
 """The jitted training step.
 
-Loss = mean token cross-entropy
+Loss = mean token cross-entropy (chunked: model/loss.py)
      + moe.aux_loss_weight * sum over MoE layers of the load-balance loss
      + moe.z_loss_weight   * sum over MoE layers of the router z-loss.
+
+With `train.micro_batch_size`, the global batch is cut into micro-batches inside the
+jitted step (micro-batch m holds rows m, m+n, m+2n, ... so every device keeps an equal
+share of each) and a scan adds their gradients in float32; the loss and gradients are
+the means over micro-batches. Each micro-batch computes its own load-balance loss (as
+Megatron and X-MoE do); the router-bias update uses the whole step's loads.
+
 After the optimizer update, the aux-loss-free rule moves each MoE layer's router bias
 by `bias_update_rate * sign(mean_load - load_e)`, matched to the layer by module path.
 A step whose loss or gradient norm is not finite leaves params, bias and optimizer
@@ -25,10 +32,8 @@ from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats
 from xmoe_jax.train.state import TrainState
 
-
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
-    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1).mean()
+# statistics of micro-batches: summed (counts) or averaged (rates, losses)
+_MEAN_STATS = ("drop_rate", "aux_loss", "z_loss")
 
 
 def update_router_biases(bias: dict, stats: dict[str, MoEStats], rate: float) -> dict:
@@ -48,10 +53,27 @@ def update_router_biases(bias: dict, stats: dict[str, MoEStats], rate: float) ->
 
 
 def stack_layers(stats: dict[str, MoEStats]) -> MoEStats | None:
-    """Per-layer statistics stacked over MoE layers in model order: [L, ...] leaves."""
+    """The statistics of every MoE layer in model order: [L, ...] leaves (stacks concatenated)."""
     if not stats:
         return None
-    return jax.tree.map(lambda *a: jnp.stack(a), *(stats[k] for k in sorted(stats)))
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *(stats[k] for k in sorted(stats)))
+
+
+def _combine_micro(stats_N: MoEStats) -> MoEStats:
+    """Statistics of N micro-batches ([N, L, ...] leaves) as those of the whole step."""
+    return MoEStats(
+        *(
+            None if v is None else (v.mean(0) if name in _MEAN_STATS else v.sum(0))
+            for name, v in zip(MoEStats._fields, stats_N, strict=True)
+        )
+    )
+
+
+def _micro_batches(batch: dict, num_micro: int) -> dict:
+    """[B, S] -> [N, B/N, S]; micro-batch m takes rows m, m+N, ... (an equal share of every shard)."""
+    return jax.tree.map(
+        lambda a: a.reshape(a.shape[0] // num_micro, num_micro, *a.shape[1:]).swapaxes(0, 1), batch
+    )
 
 
 def batch_sharding(mesh: Mesh, cfg: Config) -> NamedSharding:
@@ -67,17 +89,41 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     z_w = moe.z_loss_weight if moe is not None else 0.0
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
+    data_sh = batch_sharding(mesh, cfg)
+    micro = cfg.train.micro_batch_size
+    num_micro = cfg.train.batch_size // micro if micro else 1
+
     def loss_fn(params, bias, batch):
-        logits_BSV, stats = fmodel.apply(spec, params, bias, batch["inputs"])
-        ce = cross_entropy(logits_BSV, batch["targets"])
+        ce, stats = fmodel.loss(spec, params, bias, batch["inputs"], batch["targets"])
         stacked = stack_layers(stats)
         aux_loss = stacked.aux_loss.sum() if stacked else jnp.zeros(())
         z_loss = stacked.z_loss.sum() if stacked else jnp.zeros(())
-        return ce + aux_w * aux_loss + z_w * z_loss, (ce, aux_loss, z_loss, stats, stacked)
+        return ce + aux_w * aux_loss + z_w * z_loss, (ce, aux_loss, z_loss, stats)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulated(params, bias, batch):
+        """grad_fn over the micro-batches: means of losses and float32 gradients, step statistics."""
+        if num_micro == 1:
+            return grad_fn(params, bias, batch)
+
+        def one(grads_acc, mb):
+            mb = {k: jax.lax.with_sharding_constraint(v, data_sh) for k, v in mb.items()}
+            (loss, aux), grads = grad_fn(params, bias, mb)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            return grads_acc, (loss, aux)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        grads, (loss_N, (ce_N, aux_N, z_N, stats_N)) = jax.lax.scan(
+            one, zeros, _micro_batches(batch, num_micro)
+        )
+        grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads, params)
+        stats = {k: _combine_micro(v) for k, v in stats_N.items()}
+        return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), stats)), grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (ce, aux_loss, z_loss, stats, stacked)), grads = grad_fn(state.params, state.bias, batch)
+        (loss, (ce, aux_loss, z_loss, stats)), grads = accumulated(state.params, state.bias, batch)
+        stacked = stack_layers(stats)
         grad_norm = optax.tree.norm(grads)
         updates, opt = optimizer.update(grads, state.opt, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -107,7 +153,6 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
                 metrics["recv_rows"] = stacked.recv_rows
         return new_state, metrics
 
-    data_sh = batch_sharding(mesh, cfg)
     return jax.jit(
         step,
         in_shardings=(shardings, {"inputs": data_sh, "targets": data_sh}),

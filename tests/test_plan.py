@@ -1,0 +1,67 @@
+"""The memory planner (xmoe_jax/plan.py, xmoe-plan): exact state sizes from shardings, compiled
+temporaries, and advice when a plan does not fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from xmoe_jax import count_params
+from xmoe_jax.config import load_config
+from xmoe_jax.plan import GiB, parse_bytes, plan
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def test_parse_bytes():
+    assert (
+        parse_bytes("64GiB") == 64 * GiB and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("1e3") == 1000
+    )
+
+
+@pytest.fixture(scope="module")
+def replicated():
+    return load_config(TINY, ["mesh.data=8", "parallel.dispatch=pft"])
+
+
+def test_state_sizes_are_exact(replicated):
+    p = plan(replicated, device_memory=64 * GiB)
+    total = count_params(replicated.model).total
+    assert p.params == 4 * total  # float32 masters, replicated over data
+    assert p.optimizer >= 2 * p.params  # AdamW's two moments (plus counters)
+    assert p.gradients == p.params
+    assert p.temporaries > 0 and p.peak >= p.arguments
+    assert p.fits and p.advice == []
+    assert "fits" in p.table()
+
+
+def test_expert_parallel_and_fsdp_divide_the_state(replicated):
+    ep = plan(load_config(TINY, ["mesh.expert=8", "parallel.dispatch=pft"]))
+    fsdp = plan(load_config(TINY, ["mesh.data=8", "mesh.fsdp=true", "parallel.dispatch=pft"]))
+    base = plan(replicated)
+    assert ep.params < base.params and fsdp.params < base.params
+
+
+def test_advice_names_settings_when_it_does_not_fit(replicated):
+    p = plan(replicated, device_memory=2**20)
+    assert p.fits is False
+    text = " ".join(p.advice)
+    assert "model.remat" in text and "recv_buffer_factor" in text and "GiB over" in text
+
+
+def test_cli_plans_for_fake_devices(tmp_path):
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "xmoe_jax.cli_plan", "--config", str(TINY), "--devices", "4",
+           "--device-memory", "1GiB", "--set", "mesh.expert=4", "--set", "parallel.dispatch=pft", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "4 devices (fake CPU devices" in done.stdout and "fits" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["devices"] == 4 and data["mesh"]["expert_per_node"] == 4

@@ -1,0 +1,306 @@
+"""Training at depth: attention backends, activation checkpointing, scanned layers, gradient
+accumulation, the chunked loss and per-layer checkpoints, on 8 fake CPU devices.
+
+Model: the tiny config in float32 (3 layers: 1 dense + 2 MoE, 8 experts top-2), batch 16 of 32
+tokens. Each (model config, placement) compiles its loss-and-gradient function once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import rel_err
+
+from xmoe_jax.config import MeshConfig, ParallelConfig, load_config
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.model.attention import attend, choose
+from xmoe_jax.model.loss import chunk_size, chunked_cross_entropy
+from xmoe_jax.sharding import make_mesh
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+B, S = 16, 32
+PFT = ParallelConfig(dispatch="pft")
+RBD = ParallelConfig(dispatch="rbd")
+DENSE = ParallelConfig(dispatch="dense")
+LAYOUTS = {
+    "pft": (PFT, MeshConfig(data=2, expert=4)),
+    "rbd": (RBD, MeshConfig(data=2, expert=4, expert_nodes=2)),
+}
+
+
+def _model(**over):
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.dtype=float32"]).model
+    return dataclasses.replace(cfg, **over)
+
+
+@functools.cache
+def _mesh(mesh_cfg: MeshConfig):
+    return make_mesh(mesh_cfg)
+
+
+def _batch(seed: int = 0, batch: int = B):
+    tokens = jax.random.randint(jax.random.key(seed), (batch, S + 1), 0, 256)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@functools.cache
+def _loss_grad(model_cfg, par: ParallelConfig, mesh_cfg: MeshConfig | None):
+    spec = fmodel.model_spec(model_cfg, par)
+    fn = jax.jit(jax.value_and_grad(lambda p, b, x, y: fmodel.loss(spec, p, b, x, y)[0]))
+    mesh = _mesh(mesh_cfg) if mesh_cfg is not None else None
+
+    def run(params, bias, inputs, targets):
+        if mesh is None:
+            return fn(params, bias, inputs, targets)
+        with jax.set_mesh(mesh):
+            return fn(params, bias, inputs, targets)
+
+    return spec, run
+
+
+@functools.cache
+def _params(model_cfg):
+    spec = fmodel.model_spec(model_cfg)
+    return fmodel.init_params(spec, jax.random.key(0))
+
+
+def _close(got, want, tol=1e-5):
+    (loss, grads), (loss_w, grads_w) = got, want
+    assert abs(float(loss) - float(loss_w)) <= tol * abs(float(loss_w))
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_w), strict=True
+    ):
+        assert rel_err(a, b) < tol, jax.tree_util.keystr(path)
+
+
+def _run(model_cfg, par, mesh_cfg, seed=0):
+    _, run = _loss_grad(model_cfg, par, mesh_cfg)
+    params, bias = _params(dataclasses.replace(model_cfg, remat="none", unroll_layers=False, attention="xla"))
+    return run(params, bias, *_batch(seed))
+
+
+# ----------------------------------------------------------------------------- attention backends
+
+
+def test_attention_backends_agree_with_gqa_and_gradients():
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 128, 4, 16))
+    k, v = (jax.random.normal(key, (2, 128, 2, 16)) for key in (kk, kv))  # GQA: 2 kv heads
+    assert choose("auto", q, k) == "xla"  # CPU
+    want = attend(q, k, v, "xla")
+    assert rel_err(attend(q, k, v, "pallas"), want) < 1e-5  # interpret mode on CPU
+
+    def grads(impl):
+        return jax.grad(lambda *a: jnp.sum(attend(*a, impl) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    for a, b in zip(grads("pallas"), grads("xla"), strict=True):
+        assert rel_err(a, b) < 1e-5
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert choose("cudnn", q, k) == "xla"  # named but impossible here: falls back, says why
+    assert any("cudnn" in str(w.message) for w in seen)
+
+
+def test_model_with_pallas_attention_on_a_mesh_equals_xla():
+    base = _model(attention="xla")
+    _close(_run(_model(attention="pallas"), PFT, LAYOUTS["pft"][1]), _run(base, PFT, LAYOUTS["pft"][1]))
+
+
+# ----------------------------------------------------------------------------- remat, scan
+
+
+@pytest.mark.parametrize("layout", ["pft", "rbd"])
+@pytest.mark.parametrize("mode", ["full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"])
+def test_remat_policies_compute_the_same_gradients(layout, mode):
+    par, mesh_cfg = LAYOUTS[layout]
+    _close(_run(_model(remat=mode), par, mesh_cfg), _run(_model(), par, mesh_cfg), tol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["pft", "rbd"])
+def test_unrolled_layers_equal_the_scan(layout):
+    par, mesh_cfg = LAYOUTS[layout]
+    _close(_run(_model(unroll_layers=True), par, mesh_cfg), _run(_model(), par, mesh_cfg), tol=1e-6)
+
+
+def _compiled(model_cfg, par, mesh_cfg):
+    spec = fmodel.model_spec(model_cfg, par)
+    fn = jax.jit(jax.grad(lambda p, b, x, y: fmodel.loss(spec, p, b, x, y)[0]))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+    with jax.set_mesh(_mesh(mesh_cfg)):
+        return fn.lower(spec.params_shape, spec.bias_shape, x, x).compile()
+
+
+def _temp_bytes(model_cfg, par, mesh_cfg):
+    return _compiled(model_cfg, par, mesh_cfg).memory_analysis().temp_size_in_bytes
+
+
+def test_remat_lowers_compiled_temporary_memory():
+    par, mesh_cfg = LAYOUTS["pft"]
+    deep = dict(num_layers=6, num_dense_layers=1)
+    none = _temp_bytes(_model(**deep), par, mesh_cfg)
+    full = _temp_bytes(_model(remat="full", **deep), par, mesh_cfg)
+    sub = _temp_bytes(_model(remat="save_sublayer_outputs", **deep), par, mesh_cfg)
+    assert full < sub < none, (full, sub, none)
+
+
+# ----------------------------------------------------------------------------- chunked loss
+
+
+def test_chunked_cross_entropy_equals_full_logits():
+    kh, kw, kt = jax.random.split(jax.random.key(3), 3)
+    h, w = jax.random.normal(kh, (4, 24, 16)), jax.random.normal(kw, (16, 50))
+    t = jax.random.randint(kt, (4, 24), 0, 50)
+
+    def full(h, w):
+        logp = jax.nn.log_softmax(jnp.einsum("bsd,dv->bsv", h, w), axis=-1)
+        return -jnp.take_along_axis(logp, t[..., None], axis=-1).mean()
+
+    assert chunk_size(24, 10) == 8 and chunk_size(24, 0) == 24
+    for chunk in (0, 5, 8, 24):
+        got = jax.value_and_grad(lambda h, w, c=chunk: chunked_cross_entropy(h, w, t, c), argnums=(0, 1))(
+            h, w
+        )
+        want = jax.value_and_grad(full, argnums=(0, 1))(h, w)
+        assert abs(float(got[0]) - float(want[0])) < 1e-5 * float(want[0])
+        for a, b in zip(got[1], want[1], strict=True):
+            assert rel_err(a, b) < 1e-5
+
+
+def test_model_loss_chunks_agree():
+    _close(
+        _run(_model(loss_chunk=8), PFT, LAYOUTS["pft"][1]), _run(_model(loss_chunk=0), PFT, LAYOUTS["pft"][1])
+    )
+
+
+def test_chunked_loss_never_builds_full_logits():
+    """The compiled loss+grad has no float32 [B, S, V] logits buffer (per device: 8 x 128 x 4096)."""
+    model = dict(vocab_size=4096, num_layers=1, num_dense_layers=1, moe=None)
+    full_logits = "f32[8,128,4096]"
+    whole = _compiled(_model(loss_chunk=0, **model), DENSE, MeshConfig(data=8))
+    chunked = _compiled(_model(loss_chunk=16, **model), DENSE, MeshConfig(data=8))
+    assert full_logits in whole.as_text() and full_logits not in chunked.as_text()
+    assert "f32[8,16,4096]" in chunked.as_text()  # one chunk at a time
+    assert chunked.memory_analysis().temp_size_in_bytes < whole.memory_analysis().temp_size_in_bytes
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+
+
+def _step_cfg(tmp_path, *over):
+    from xmoe_jax.config import load_config as load
+
+    return load(
+        CONFIGS / "tiny.yaml",
+        [
+            f"train.run_dir={tmp_path}",
+            "train.batch_size=16",
+            "train.seq_len=32",
+            "train.steps=2",
+            "model.dtype=float32",
+            "mesh.data=2",
+            "mesh.expert=4",
+            "parallel.dispatch=pft",
+            "model.moe.score_func=sigmoid",
+            "model.moe.bias_update_rate=0.01",
+            *over,
+        ],
+    )
+
+
+def _one_step(cfg):
+    from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import init_state, state_shardings
+    from xmoe_jax.train.step import batch_sharding, make_train_step
+
+    mesh = make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        spec = model_spec(cfg.model, cfg.parallel)
+        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+        shardings = state_shardings(spec, opt, mesh)
+        state = init_state(spec, opt, cfg, mesh, shardings)
+        x, y = _batch(5)
+        sh = batch_sharding(mesh, cfg)
+        batch = {"inputs": jax.device_put(x, sh), "targets": jax.device_put(y, sh)}
+        return make_train_step(spec, opt, cfg, mesh, shardings)(state, batch)
+
+
+def test_micro_batches_give_the_same_update(tmp_path):
+    """aux-loss weight 0 (the balance loss is per micro-batch by design): the update is the same."""
+    over = ("model.moe.aux_loss_weight=0",)
+    whole, m_whole = _one_step(_step_cfg(tmp_path / "a", *over))
+    micro, m_micro = _one_step(_step_cfg(tmp_path / "b", *over, "train.micro_batch_size=8"))
+    assert abs(float(m_whole["loss"]) - float(m_micro["loss"])) < 1e-6 * float(m_whole["loss"])
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(micro.params), jax.tree.leaves(whole.params), strict=True
+    ):
+        assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
+    # the bias rule sees the whole step's loads: the same update
+    np.testing.assert_array_equal(m_micro["tokens_per_expert"], m_whole["tokens_per_expert"])
+    for a, b in zip(jax.tree.leaves(micro.bias), jax.tree.leaves(whole.bias), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
+
+
+def test_micro_batch_balance_loss_is_the_mean_over_micro_batches(tmp_path):
+    cfg = _step_cfg(tmp_path, "train.micro_batch_size=8")
+    _, metrics = _one_step(cfg)
+    spec, run = _loss_grad(cfg.model, cfg.parallel, cfg.mesh)
+    params, bias = fmodel.init_params(spec, jax.random.split(jax.random.key(cfg.train.seed))[0])
+    x, y = _batch(5)
+    rows = (np.arange(16) % 2 == 0, np.arange(16) % 2 == 1)  # micro-batch m holds rows m, m+2, ...
+    from xmoe_jax.train.step import stack_layers
+
+    with jax.set_mesh(_mesh(cfg.mesh)):
+        aux = [
+            float(stack_layers(fmodel.loss(spec, params, bias, x[r], y[r])[1]).aux_loss.sum()) for r in rows
+        ]
+    assert abs(float(metrics["aux_loss"]) - np.mean(aux)) < 1e-5 * abs(np.mean(aux))
+
+
+# ----------------------------------------------------------------------------- per-layer checkpoints
+
+
+def test_per_layer_checkpoint_restores_into_the_stacks(tmp_path):
+    """A checkpoint with one subtree per layer (the layout before layer stacks) resumes exactly."""
+    from xmoe_jax.train import layout
+    from xmoe_jax.train.checkpoint import Checkpointer
+    from xmoe_jax.train.loop import train
+
+    over = ["train.log_every=1", "checkpoint.every=2", "checkpoint.async_save=false", "train.steps=4"]
+    full = train(_step_cfg(tmp_path / "full", *over))
+    first = train(_step_cfg(tmp_path / "split", *over[:-1], "train.steps=2"))
+    assert sorted(first.losses) == [1, 2]
+    # rewrite step 2 in the per-layer layout
+    ckpt_dir = tmp_path / "split" / "checkpoints"
+    cfg = _step_cfg(tmp_path / "split", *over)
+    with Checkpointer(ckpt_dir, cfg.checkpoint) as ckpt:
+        from xmoe_jax.model.functional import model_spec
+        from xmoe_jax.train.optimizer import make_optimizer
+        from xmoe_jax.train.state import abstract_state, state_shardings
+
+        mesh = make_mesh(cfg.mesh)
+        spec = model_spec(cfg.model, cfg.parallel)
+        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+        abstract = abstract_state(spec, opt, state_shardings(spec, opt, mesh)).as_dict()
+        state = ckpt.restore(abstract)
+        config = ckpt.read_config(2)
+    old = tmp_path / "old"
+    with Checkpointer(old / "checkpoints", cfg.checkpoint) as ckpt:
+        per_layer = layout.per_layer_target(state, cfg.model.num_dense_layers)
+        assert "layer_000" in per_layer["params"]["layers"] and "layer_002" in per_layer["bias"]["layers"]
+        ckpt.save(2, per_layer, force=True)
+        ckpt._manager.wait_until_finished()
+    import shutil
+
+    for item in ("data", "config"):
+        shutil.copytree(ckpt_dir / "2" / item, old / "checkpoints" / "2" / item)
+    assert config["model"]["num_layers"] == 3
+    resumed = train(_step_cfg(old, *over), resume=True)
+    assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}

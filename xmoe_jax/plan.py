@@ -1,0 +1,187 @@
+"""Memory planner: what one device holds when a config trains on N devices.
+
+    xmoe-plan --config configs/large.yaml --devices 256 [--device-memory 64GiB] [--set ...]
+
+Steps:
+  1. resolve the config on N devices (the mesh's `data=-1` fills the rest) and check it;
+  2. build the train step exactly as the trainer does and compile it ahead of time for
+     that mesh: N fake CPU devices (XLA:CPU), or the real GPUs of this host with
+     `--real-devices`; nothing runs;
+  3. per device: parameters, router biases and optimizer state from their shardings
+     (exact), gradients (float32, the size of the parameters; they live among the
+     step's temporaries), and temporaries from `compiled.memory_analysis()`;
+  4. the peak, arguments + temporaries + outputs - donated (aliased) bytes, against the
+     device memory; if it does not fit, which settings to change.
+
+On CPU the grouped GEMMs compile as the Pallas kernels (interpret mode, XMOE_KERNELS),
+the same buffers as on a GPU, not XLA's dense `ragged_dot` lowering whose workspace
+is several times larger; the attention's temporaries are XLA's, not cuDNN's. JAX
+cannot compile for a GPU without one, so CPU figures are an estimate whose distance to
+the GPU compile is measured in benchmarks/scale.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+
+from xmoe_jax import sharding
+from xmoe_jax.config import Config, MeshShape
+
+GiB = 2**30
+
+
+def parse_bytes(text: str) -> int:
+    """'64GiB', '80GB', '141e9' -> bytes."""
+    units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+    low = text.strip().lower()
+    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * scale)
+    return int(float(low))
+
+
+def _per_device(tree) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass
+class Plan:
+    devices: int
+    mesh: MeshShape
+    backend: str
+    params: int
+    bias: int
+    optimizer: int
+    gradients: int
+    temporaries: int
+    arguments: int
+    outputs: int
+    aliased: int
+    compile_s: float
+    device_memory: int | None
+    advice: list[str]
+
+    @property
+    def state(self) -> int:
+        return self.params + self.bias + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        """Arguments + temporaries + outputs - donated bytes (outputs written into donated inputs)."""
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory is None else self.peak <= self.device_memory
+
+    def table(self) -> str:
+        m = self.mesh
+        rows = [
+            ("parameters (float32 masters)", self.params),
+            ("router biases", self.bias),
+            ("optimizer state", self.optimizer),
+            ("gradients (within temporaries)", self.gradients),
+            ("activations / temporaries", self.temporaries),
+            ("peak: arguments + temporaries + outputs - donated", self.peak),
+        ]
+        lines = [
+            f"{self.devices} devices ({self.backend}); mesh data={m.data} expert={m.expert} "
+            f"(nodes {m.expert_nodes}) tensor={m.tensor}; compiled in {self.compile_s:.0f} s",
+            *(f"  {name:<52} {value / GiB:9.2f} GiB" for name, value in rows),
+        ]
+        if self.device_memory is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {'device memory':<52} {self.device_memory / GiB:9.2f} GiB: {verdict}")
+        lines += [f"  try: {a}" for a in self.advice]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mesh"},
+            "mesh": self.mesh._asdict(),
+            "state": self.state,
+            "peak": self.peak,
+            "fits": self.fits,
+        }
+
+
+def advise(cfg: Config, plan: Plan) -> list[str]:
+    """Settings that cut the larger share of a plan that does not fit."""
+    if plan.fits is not False:
+        return []
+    out = []
+    over = plan.peak - plan.device_memory
+    if plan.state > plan.temporaries:
+        if not cfg.mesh.fsdp and plan.mesh.data > 1:
+            out.append("mesh.fsdp=true: parameters and optimizer state split over the data axis")
+        if cfg.model.moe is not None and cfg.model.moe.num_experts % (2 * plan.mesh.expert) == 0:
+            out.append(f"mesh.expert={2 * plan.mesh.expert}: half the experts per device")
+    if cfg.model.remat == "none":
+        out.append("model.remat=save_dots (or full): keep fewer activations per layer")
+    elif cfg.model.remat != "full":
+        out.append("model.remat=full: keep only each block's input")
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size
+    if micro > plan.mesh.batch_shards and micro % 2 == 0 and (micro // 2) % plan.mesh.batch_shards == 0:
+        out.append(f"train.micro_batch_size={micro // 2}: half the activations per micro-batch")
+    if plan.mesh.tensor > 1 and not cfg.parallel.ssmb:
+        out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
+    if cfg.parallel.dispatch in ("pft", "rbd") and cfg.parallel.recv_buffer_factor is None:
+        out.append("parallel.recv_buffer_factor=1.25: receive buffers near the average, not the worst case")
+    out.append(f"({over / GiB:.1f} GiB over)")
+    return out
+
+
+def plan(cfg: Config, device_memory: int | None = None) -> Plan:
+    """Compile cfg's train step for the devices JAX has and read back its memory."""
+    from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import abstract_state, state_shardings
+    from xmoe_jax.train.step import batch_sharding, make_train_step
+
+    devices = jax.device_count()
+    shape = cfg.validate_for_devices(devices)
+    mesh = sharding.make_mesh(cfg.mesh)
+    spec = model_spec(cfg.model, cfg.parallel)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
+    state = abstract_state(spec, optimizer, shardings)
+    data_sh = batch_sharding(mesh, cfg)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), np.int32, sharding=data_sh)
+    step = make_train_step(spec, optimizer, cfg, mesh, shardings)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    dev = jax.devices()[0]
+    backend = (
+        "fake CPU devices, XLA:CPU compile" if dev.platform == "cpu" else f"{dev.device_kind}, real compile"
+    )
+    params = _per_device(state.params)
+    result = Plan(
+        devices=devices,
+        mesh=shape,
+        backend=backend,
+        params=params,
+        bias=_per_device(state.bias),
+        optimizer=_per_device(state.opt),
+        gradients=sum(math.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(state.params)),
+        temporaries=int(mem.temp_size_in_bytes),
+        arguments=int(mem.argument_size_in_bytes),
+        outputs=int(mem.output_size_in_bytes),
+        aliased=int(mem.alias_size_in_bytes),
+        compile_s=compile_s,
+        device_memory=device_memory,
+        advice=[],
+    )
+    result.advice = advise(cfg, result)
+    return result
