@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 import yaml
 
 Dispatch = Literal["dense", "padded", "pft", "rbd"]
-Transport = Literal["auto", "ragged", "emulated"]
+Transport = Literal["auto", "bucketed", "ragged", "emulated"]
 Activation = Literal["swiglu", "gelu"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
@@ -155,9 +155,16 @@ class ParallelConfig:
 
     dispatch: how routed tokens reach their experts (moe/dispatchers.py): `dense` (the oracle),
       `padded` (capacity baseline), `pft` (padding-free), `rbd` (two-stage, across nodes).
-    transport: the pft/rbd exchange: ragged_all_to_all on GPU, an exact emulation elsewhere.
-    recv_buffer_factor: pft/rbd receive buffer rows = factor * (tokens per shard) * top_k;
-      None = the worst case.
+    transport: the pft/rbd exchange (moe/exchange.py, moe/layouts.py): `bucketed` (dense
+      all-to-all of per-peer chunks sized by the buffer factor), `ragged` (ragged_all_to_all),
+      `emulated` (its exact emulation, the CPU default); `auto` = bucketed on GPU.
+    recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
+      the worst case). With adaptive_buffers this is where the trainer starts (None: 1.25).
+    adaptive_buffers: dropless pft/rbd training sizes the buffers itself (train/buffers.py): a
+      step whose copies do not fit is not applied and reruns with the next size of a small
+      ladder up to the worst case; after `buffer_shrink_after` quiet steps it steps back down.
+    overlap_chunks: pft/rbd split the block's tokens into this many chunks, each dispatched on
+      its own, so one chunk's exchange can run while another's experts compute.
     ssmb: with tensor parallelism, each tensor rank routes, dispatches, computes and combines
       1/TP of the block's tokens (sequence-sharded MoE block); off, every tensor rank repeats the
       block on the same tokens. Off by default because it changes pft's capacity shards (drops are
@@ -173,6 +180,9 @@ class ParallelConfig:
     dispatch: Dispatch = "dense"
     transport: Transport = "auto"
     recv_buffer_factor: float | None = None
+    adaptive_buffers: bool = True
+    buffer_shrink_after: int = 200
+    overlap_chunks: int = 1
     ssmb: bool = False
     expert_tensor_parallel: bool = False
     auto_shard: bool = False
@@ -186,6 +196,10 @@ class ParallelConfig:
                 self.recv_buffer_factor > 0,
                 f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
             )
+        _check(
+            self.buffer_shrink_after >= 1, f"{p}buffer_shrink_after={self.buffer_shrink_after} must be >= 1"
+        )
+        _check(self.overlap_chunks >= 1, f"{p}overlap_chunks={self.overlap_chunks} must be >= 1")
         _check(
             not (self.ssmb and self.expert_tensor_parallel),
             f"{p}ssmb and {p}expert_tensor_parallel are alternatives (SSMB splits the tokens over the "

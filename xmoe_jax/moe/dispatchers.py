@@ -28,7 +28,7 @@ from xmoe_jax.config import MoEConfig, ParallelConfig
 from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.padded import padded_dispatch
-from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
+from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
 from xmoe_jax.moe.stages import Stages
 
@@ -60,10 +60,11 @@ def _padded(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place
 def _pft(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
     axes = sharding.exchange_axes(place.mesh) if place.sharded else None
     peers = sharding.axis_size(place.mesh, axes) if axes else 1
-    rows = recv_rows(
-        cfg.num_experts, cfg.top_k, x_TD.shape[0], peers, kept.capacity, parallel.recv_buffer_factor
-    )
-    spec = ExchangeSpec(cfg.num_experts, cfg.top_k, rows, cfg.activation)
+    sizes = (cfg.num_experts, cfg.top_k, x_TD.shape[0], peers, kept.capacity, parallel.recv_buffer_factor)
+    chunked = resolve_transport(parallel.transport) == "bucketed"
+    mean = x_TD.shape[0] * cfg.top_k / (peers if chunked else 1)
+    chunk = pair_rows(*sizes) if chunked else None
+    spec = ExchangeSpec(cfg.num_experts, cfg.top_k, recv_rows(*sizes), cfg.activation, chunk, mean)
     return (
         yield from pft_stages(
             x_TD,
@@ -113,14 +114,19 @@ class Dispatcher:
     exchange_fields: tuple[str, ...] = ()  # ExchangeStats fields it fills in
 
 
-_PFT_FIELDS = ("num_overflow", "recv_rows", "wire_bytes")
+_PFT_FIELDS = (
+    "num_overflow",
+    "recv_rows",
+    "wire_bytes",
+    "routed_bytes",
+    "peak_rows",
+    "buffer_rows",
+    "peak_ratio",
+)
+_RBD_FIELDS = (*_PFT_FIELDS, "pilot_rows", "inter_node_rows", "wire_bytes_node", "routed_bytes_node")
 DISPATCHERS: dict[str, Dispatcher] = {
     "dense": Dispatcher(_dense, shard_map=False),
     "padded": Dispatcher(_padded, shard_map=False),
     "pft": Dispatcher(_pft, shard_map=True, exchange_fields=_PFT_FIELDS),
-    "rbd": Dispatcher(
-        _rbd,
-        shard_map=True,
-        exchange_fields=(*_PFT_FIELDS, "pilot_rows", "inter_node_rows", "wire_bytes_node"),
-    ),
+    "rbd": Dispatcher(_rbd, shard_map=True, exchange_fields=_RBD_FIELDS),
 }

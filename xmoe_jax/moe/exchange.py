@@ -20,10 +20,19 @@ backward pass is the reverse exchange:
   emulated  a dense `all_to_all` of per-peer chunks padded to a static bound, then
             scattered to the same offsets: moves the same rows to the same places,
             with padding on the wire. Works everywhere; the CPU tests use it.
+The third transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
+fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
+`all_to_all` (layouts.py).
+
+What goes on the wire: `ragged` under XLA's default kernel sends the routed rows; under
+the `decomposer` preset (xla_flags.py) XLA rewrites it into a dense all-to-all of the
+whole receive buffer per peer, so (P-1) x M rows leave each device whatever the routing;
+`emulated` sends (P-1) padded chunks. `wire_bytes` reports that, not the routed rows.
 """
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import NamedTuple
 
@@ -74,10 +83,15 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
 
 
 def resolve_transport(transport: str) -> str:
-    """`auto` -> `ragged` on GPU (the only backend XLA implements it for), else `emulated`."""
+    """`auto` -> `bucketed` on GPU (the fastest measured: benchmarks/exchange.md), else `emulated`."""
     if transport != "auto":
         return transport
-    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm") else "emulated"
+    return "bucketed" if jax.default_backend() in ("gpu", "cuda", "rocm") else "emulated"
+
+
+def ragged_is_decomposed() -> bool:
+    """Whether XLA rewrites ragged_all_to_all into a dense all-to-all (the decomposer preset)."""
+    return "ragged_all_to_all_decomposer=true" in os.environ.get("XLA_FLAGS", "")
 
 
 def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
@@ -133,14 +147,19 @@ def _exchange_bwd(out_rows, in_rows, axis_name, transport, max_chunk, plan, g_MD
 exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def wire_bytes(plan: Plan, me: jax.Array, row_bytes: int, transport: str, max_chunk: int) -> jax.Array:
-    """Bytes this device sends to other peers in one exchange (its rows to itself stay local).
+def wire_bytes(
+    plan: Plan, me: jax.Array, row_bytes: int, transport: str, max_chunk: int, out_rows: int | None = None
+) -> jax.Array:
+    """Bytes this device puts on the wire to other peers in one exchange (rows to itself stay local).
 
-    `ragged` sends exactly the routed rows; `emulated` sends every padded chunk.
+    `ragged` sends exactly the routed rows, or (P-1) whole receive buffers of `out_rows` when XLA
+    decomposes it; `emulated` sends every padded chunk.
     """
     num_peers = plan.send_sizes_P.shape[0]
     if transport == "emulated":
         rows = jnp.asarray((num_peers - 1) * max_chunk, jnp.float32)
+    elif out_rows is not None and ragged_is_decomposed():
+        rows = jnp.asarray((num_peers - 1) * out_rows, jnp.float32)
     else:
         rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)
     return rows * row_bytes

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.kernels import combine, permute
-from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
+from xmoe_jax.moe import layouts
+from xmoe_jax.moe.exchange import exclusive_cumsum
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats
@@ -48,8 +49,10 @@ class ExchangeSpec(NamedTuple):
 
     num_experts: int  # experts over the exchange group, E = P * L
     slots: int  # routed copies per token, K
-    recv_rows: int  # static receive-buffer rows M per device
+    recv_rows: int  # static receive-buffer rows M per device (compact layout)
     activation: str  # expert MLP activation
+    chunk_rows: int | None = None  # rows per (source, destination) chunk: the chunked layout
+    mean_rows: float | None = None  # the binding buffer's rows at factor 1: T*K (compact), T*K/P (chunked)
 
 
 def recv_rows(
@@ -75,15 +78,39 @@ def recv_rows(
     return max(worst, 1)
 
 
-def _grouped_index(cc_PL: jax.Array, num_rows: int) -> jax.Array:
-    """Row of each received row (ordered source-major) in the expert-major grouped buffer."""
+def pair_rows(
+    num_experts: int,
+    top_k: int,
+    num_tokens: int,
+    num_peers: int,
+    capacity: int | None = None,
+    factor: float | None = None,
+) -> int:
+    """Rows per (source, destination) chunk of the chunked layout: f x the average T*K/P,
+    at most the worst case one source can send one destination, T*min(K, L) (L*C with capacity)."""
+    local_experts = num_experts // num_peers
+    worst = num_tokens * min(top_k, local_experts)
+    if capacity is not None:
+        worst = min(worst, local_experts * capacity)
+    if factor is not None:
+        worst = min(worst, math.ceil(factor * num_tokens * top_k / num_peers))
+    return max(worst, 1)
+
+
+def _grouped_index(cc_PL: jax.Array, seg_start_PL: jax.Array, num_rows: int) -> jax.Array:
+    """Row of each receive-buffer row in the expert-major grouped buffer (num_rows: an empty row).
+
+    Received rows come as segments (source p, local expert l) of cc_PL[p, l] rows starting at
+    seg_start_PL[p, l]; in the grouped buffer, expert l's rows from all sources are contiguous.
+    """
     seg_len = cc_PL.reshape(-1)
-    seg_end = jnp.cumsum(seg_len)
-    seg_start = seg_end - seg_len
+    seg_start = seg_start_PL.reshape(-1)
     seg_dest = (exclusive_cumsum(cc_PL.sum(0))[None, :] + exclusive_cumsum(cc_PL, axis=0)).reshape(-1)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(seg_end, rows, side="right"), seg_len.shape[0] - 1)
-    return jnp.where(rows < seg_end[-1], seg_dest[seg] + rows - seg_start[seg], num_rows)
+    # segments are in increasing start order; a row belongs to the last segment starting at or before it
+    seg = jnp.clip(jnp.searchsorted(seg_start, rows, side="right") - 1, 0, seg_len.shape[0] - 1)
+    inside = (rows >= seg_start[seg]) & (rows < seg_start[seg] + seg_len[seg])
+    return jnp.where(inside, seg_dest[seg] + rows - seg_start[seg], num_rows)
 
 
 def pft_stages(
@@ -105,47 +132,50 @@ def pft_stages(
     """
     num_tokens, top_k = topk_idx_TK.shape
     num_e, dim = spec.num_experts, x_TD.shape[1]
-    local_e = num_e // num_peers
-    num_send = num_tokens * top_k
+    row_bytes = dim * jnp.dtype(x_TD.dtype).itemsize
 
-    counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
-    dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
-    x_send_AD = tag(permute(x_TD, dest_TK, num_send), MOE_DISPATCHED)
-    yield "send_buffer", (x_send_AD,)
-
-    if num_peers == 1:  # no exchange: the send buffer is already grouped by expert
+    if num_peers == 1:  # no exchange: the expert-major send buffer is already grouped by expert
+        num_send = num_tokens * top_k
+        counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
+        dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
+        x_send_AD = tag(permute(x_TD, dest_TK, num_send), MOE_DISPATCHED)
+        yield "send_buffer", (x_send_AD,)
         y_send_AD = grouped_experts(x_send_AD, experts, counts_E, spec.activation)
         yield "experts", (y_send_AD,)
-        sent_TK = keep_TK
-        recv, wire = counts_E.sum(), jnp.zeros((), jnp.float32)
+        sent_TK, zero = keep_TK, jnp.zeros((), jnp.float32)
+        stats = ExchangeStats(
+            num_overflow=jnp.zeros((), jnp.int32), recv_rows=counts_E.sum(), wire_bytes=zero,
+            routed_bytes=zero, peak_rows=counts_E.sum(), buffer_rows=jnp.asarray(num_send, jnp.int32),
+            peak_ratio=zero,
+        )  # fmt: skip
     else:
-        me = jax.lax.axis_index(axis_name)
-        num_recv = spec.recv_rows
-        max_chunk = num_tokens * min(top_k, local_e)
-        counts_PE = jax.lax.all_gather(counts_E, axis_name)  # [source, expert]
-        block_PQL = counts_PE.reshape(num_peers, num_peers, local_e)  # source, dest, local expert
-        # each destination fills its M rows in (source, local expert) order; the rest overflow
-        flat_QX = block_PQL.transpose(1, 0, 2).reshape(num_peers, num_peers * local_e)
-        cc_QX = jnp.clip(num_recv - exclusive_cumsum(flat_QX), 0, flat_QX)
-        cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
-        plan = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me)
-        x_recv_MD = exchange(x_send_AD, plan, num_recv, num_send, axis_name, transport, max_chunk)
+        if spec.chunk_rows is not None:
+            lay = layouts.chunked(topk_idx_TK, keep_TK, pos_TK, num_e, spec.chunk_rows, axis_name, num_peers)
+        else:
+            lay = layouts.compact(
+                topk_idx_TK, keep_TK, pos_TK, num_e, spec.recv_rows, axis_name, num_peers, transport
+            )
+        dest_TK, sent_TK = lay.dest_TK, lay.sent_TK
+        x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
+        yield "send_buffer", (x_send_AD,)
+        x_recv_MD = lay.forward(x_send_AD)
         yield "exchange", (x_recv_MD,)
-        cc_PL = cc_PQL[:, me, :]
-        grouped_M = _grouped_index(cc_PL, num_recv)
-        x_grp_MD = tag(permute(x_recv_MD, grouped_M[:, None], num_recv), MOE_DISPATCHED)
-        y_grp_MD = grouped_experts(x_grp_MD, experts, cc_PL.sum(0), spec.activation)
+        grouped_M = _grouped_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
+        x_grp_MD = tag(permute(x_recv_MD, grouped_M[:, None], lay.num_recv), MOE_DISPATCHED)
+        y_grp_MD = grouped_experts(x_grp_MD, experts, lay.cc_PL.sum(0), spec.activation)
         yield "experts", (y_grp_MD,)
-        y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((num_recv, 1), jnp.float32))
-        y_send_AD = exchange(y_recv_MD, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk)
+        y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((lay.num_recv, 1), jnp.float32))
+        y_send_AD = lay.backward(y_recv_MD)
         yield "return", (y_send_AD,)
-        sent_E = cc_PQL[me].reshape(num_e)  # rows of each expert that fit at their destination
-        sent_TK = keep_TK & (pos_TK < sent_E[topk_idx_TK])
-        row_bytes = dim * jnp.dtype(x_TD.dtype).itemsize
-        recv = cc_PL.sum()
-        # dispatch + combine, both directions carry the same rows
-        wire = 2 * wire_bytes(plan, me, row_bytes, transport, max_chunk)
+        stats = ExchangeStats(  # dispatch + combine: both directions carry the same rows
+            num_overflow=jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32),
+            recv_rows=lay.cc_PL.sum(),
+            wire_bytes=2 * row_bytes * lay.wire_rows,
+            routed_bytes=2 * row_bytes * lay.routed_rows,
+            peak_rows=lay.peak_rows,
+            buffer_rows=jnp.asarray(lay.buffer_rows, jnp.int32),
+            peak_ratio=lay.peak_rows.astype(jnp.float32) / (spec.mean_rows or 1.0),
+        )
 
     y_TD = combine(y_send_AD, dest_TK, jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32))
-    overflow = jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32)
-    return y_TD.astype(x_TD.dtype), ExchangeStats(num_overflow=overflow, recv_rows=recv, wire_bytes=wire)
+    return y_TD.astype(x_TD.dtype), stats

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
-from xmoe_jax.moe.pft import ExchangeSpec, pft_stages, recv_rows
+from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
 from xmoe_jax.remat import MOE_DISPATCHED, tag
 
@@ -49,21 +49,25 @@ def stage2_spec(
     num_nodes: int,
     local_size: int,
     recv_buffer_factor: float | None,
+    chunked: bool = False,
 ) -> ExchangeSpec:
     """The exchange stage 2 runs PFT with: the node's experts, pilots as tokens with K2 slots.
 
     Stage 2 has M1 = N*T pilot rows of K2 slots, a static worst case far above the
     copies that really arrive. `recv_buffer_factor` f keeps its meaning from pft: the
     receive buffer holds f times the average copies per device, T*K (as a device would
-    receive under pft), not f times M1*K2.
+    receive under pft), not f times M1*K2; with `chunked` (the bucketed transport) each
+    (source, destination) chunk holds f times the average T*K/G.
     """
     per_node = num_experts // num_nodes
     slots = min(top_k, per_node)
     factor = recv_buffer_factor
     if factor is not None:
         factor = factor * num_tokens * top_k / (num_nodes * num_tokens * slots)
-    rows = recv_rows(per_node, slots, num_nodes * num_tokens, local_size, factor=factor)
-    return ExchangeSpec(num_experts=per_node, slots=slots, recv_rows=rows, activation=activation)
+    sizes = (per_node, slots, num_nodes * num_tokens, local_size, None, factor)
+    chunk = pair_rows(*sizes) if chunked else None
+    mean = num_tokens * top_k / (local_size if chunked else 1)  # factor 1 = pft's average load
+    return ExchangeSpec(per_node, slots, recv_rows(*sizes), activation, chunk, mean)
 
 
 def rbd_stages(
@@ -84,8 +88,11 @@ def rbd_stages(
 ) -> Stages:
     """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
 
-    Returns (y_TD, ExchangeStats) at the end.
+    Returns (y_TD, ExchangeStats) at the end. With the `bucketed` transport stage 2 uses
+    pft's chunked layout and stage 1 the emulated exchange (chunks of T pilots per node pair,
+    the most a node can send another).
     """
+    stage1_transport = "emulated" if transport == "bucketed" else transport
     num_tokens, top_k = topk_idx_TK.shape
     per_node = num_experts // num_nodes
     slots = min(top_k, per_node)
@@ -132,17 +139,24 @@ def rbd_stages(
     sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node] pilots
     plan = plan_from_sizes(sizes_PQ, sizes_PQ, jax.lax.axis_index(node_axis))
     x_pil_MD = tag(
-        exchange(x_send_AD, plan, num_recv, num_send, node_axis, transport, num_tokens), MOE_DISPATCHED
+        exchange(x_send_AD, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens), MOE_DISPATCHED
     )
-    w_pil_MS = exchange(w_send_AS, plan, num_recv, num_send, node_axis, transport, num_tokens)
-    idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, transport, num_tokens)
+    w_pil_MS = exchange(w_send_AS, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens)
+    idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, stage1_transport, num_tokens)
     valid_M = jnp.arange(num_recv) < plan.recv_sizes_P.sum()
     keep_MS = valid_M[:, None] & (idx_pil_MS < per_node)
     yield "stage1", (x_pil_MD, w_pil_MS, idx_pil_MS)
 
     # 3. stage 2: PFT inside the node, pilots as tokens; returns each pilot's in-node weighted sum
     node_spec = stage2_spec(
-        num_experts, top_k, activation, num_tokens, num_nodes, local_size, recv_buffer_factor
+        num_experts,
+        top_k,
+        activation,
+        num_tokens,
+        num_nodes,
+        local_size,
+        recv_buffer_factor,
+        transport == "bucketed",
     )
     gate_MS = jnp.where(keep_MS, w_pil_MS, 0.0)
     pos_MS = expert_positions(jnp.where(keep_MS, idx_pil_MS, per_node), gate_MS, per_node + 1, "position")
@@ -164,15 +178,19 @@ def rbd_stages(
     yield "stage2/combine", (y_pil_MD,)
 
     # combine: one partial sum per (token, node) back along the node axis, then summed per token
-    y_back_AD = exchange(y_pil_MD, plan.reverse(), num_send, num_recv, node_axis, transport, num_tokens)
+    y_back_AD = exchange(
+        y_pil_MD, plan.reverse(), num_send, num_recv, node_axis, stage1_transport, num_tokens
+    )
     yield "return", (y_back_AD,)
     y_TD = combine(y_back_AD, dest_TN, hit_TN.astype(jnp.float32))
 
     me = jax.lax.axis_index(node_axis)
     row_bytes = x_TD.shape[1] * jnp.dtype(x_TD.dtype).itemsize
+    inter = counts_N.sum() - counts_N[me]
     stats = stats2._replace(
         pilot_rows=counts_N.sum(),
-        inter_node_rows=counts_N.sum() - counts_N[me],
-        wire_bytes_node=2 * wire_bytes(plan, me, row_bytes, transport, num_tokens),
+        inter_node_rows=inter,
+        wire_bytes_node=2 * wire_bytes(plan, me, row_bytes, stage1_transport, num_tokens, num_recv),
+        routed_bytes_node=2 * row_bytes * inter.astype(jnp.float32),
     )
     return y_TD.astype(x_TD.dtype), stats

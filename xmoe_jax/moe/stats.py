@@ -15,7 +15,18 @@ from typing import NamedTuple
 
 import jax
 
-PER_DEVICE = ("recv_rows", "wire_bytes", "pilot_rows", "inter_node_rows", "wire_bytes_node")
+PER_DEVICE = (
+    "recv_rows",
+    "wire_bytes",
+    "routed_bytes",
+    "peak_rows",
+    "buffer_rows",
+    "peak_ratio",
+    "pilot_rows",
+    "inter_node_rows",
+    "wire_bytes_node",
+    "routed_bytes_node",
+)
 
 
 class ExchangeStats(NamedTuple):
@@ -23,10 +34,15 @@ class ExchangeStats(NamedTuple):
 
     num_overflow: jax.Array  # copies that did not fit a receive buffer (dropless: must stay 0)
     recv_rows: jax.Array  # rows this device's experts received
-    wire_bytes: jax.Array  # bytes this device sent to other devices (dispatch + combine)
+    wire_bytes: jax.Array  # bytes the transport put on the wire from this device (dispatch + combine)
+    routed_bytes: jax.Array  # bytes the routing needed to send off this device (dispatch + combine)
+    peak_rows: jax.Array  # rows the binding buffer had to hold (a total or one source's chunk)
+    buffer_rows: jax.Array  # that buffer's static rows: the step fits when peak_rows <= buffer_rows
+    peak_ratio: jax.Array  # peak_rows over the average (the buffer factor that would just fit)
     pilot_rows: jax.Array | None = None  # rbd: pilots this device sent (one per token and node)
     inter_node_rows: jax.Array | None = None  # rbd: of those, rows that left the node
     wire_bytes_node: jax.Array | None = None  # rbd: bytes on the node axis (stage 1, both ways)
+    routed_bytes_node: jax.Array | None = None  # rbd: pilot bytes stage 1 needed (both ways)
 
 
 class MoEStats(NamedTuple):
@@ -40,9 +56,14 @@ class MoEStats(NamedTuple):
     num_overflow: jax.Array | None = None
     recv_rows: jax.Array | None = None
     wire_bytes: jax.Array | None = None
+    routed_bytes: jax.Array | None = None
+    peak_rows: jax.Array | None = None
+    buffer_rows: jax.Array | None = None
+    peak_ratio: jax.Array | None = None
     pilot_rows: jax.Array | None = None
     inter_node_rows: jax.Array | None = None
     wire_bytes_node: jax.Array | None = None
+    routed_bytes_node: jax.Array | None = None
 
     def with_exchange(self, ex: ExchangeStats | None) -> MoEStats:
         return self if ex is None else self._replace(**ex._asdict())

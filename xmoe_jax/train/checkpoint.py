@@ -237,6 +237,12 @@ class Checkpointer:
 
     # -- save
 
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `save(step, ..., force=force)` would write a checkpoint."""
+        if step in self._manager.all_steps():
+            return False
+        return force or step % self.cfg.every == 0 or bool(self._manager.reached_preemption(step))
+
     def save(
         self,
         step: int,

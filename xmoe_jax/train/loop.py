@@ -22,16 +22,21 @@ from xmoe_jax.data import make_input
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train import layout
 from xmoe_jax.train import step as tstep
+from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
-from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
+from xmoe_jax.train.errors import TrainingError
+from xmoe_jax.train.metrics import (
+    MetricsLogger,
+    Throughput,
+    exchange_stats,
+    expert_stats,
+    flops_per_token,
+    peak_tflops,
+)
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger("xmoe_jax")
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. a non-finite loss under nan_policy=stop)."""
 
 
 @dataclasses.dataclass
@@ -125,7 +130,8 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
     else:
         state = _restore(ckpt, abstract_state(spec, optimizer, shardings), shardings, data_iter, start, cfg)
         log.info("resumed from %s at step %d", ckpt_dir, start)
-    step_fn = tstep.make_train_step(spec, optimizer, cfg, mesh, shardings)
+    step_fn = AdaptiveStep(cfg, optimizer, mesh, shardings)
+    ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
 
@@ -154,12 +160,14 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         overflow = int(metrics.get("num_overflow", 0))
         if overflow:
             msg = (
-                f"step {step}: {overflow} routed token copies did not fit the pft receive buffers "
-                f"(parallel.recv_buffer_factor={cfg.parallel.recv_buffer_factor}); raise it, or set it "
-                "to null for the worst-case size"
+                f"step {step}: {overflow} routed token copies did not fit the receive buffers "
+                f"(parallel.recv_buffer_factor={cfg.parallel.recv_buffer_factor})"
             )
-            if cfg.model.moe.capacity_factor is None:  # dropless promises no loss: stop
-                raise TrainingError(msg)
+            if cfg.model.moe.capacity_factor is None:  # dropless promises no loss: the step was not applied
+                raise TrainingError(
+                    f"{msg}; the step was not applied. Set parallel.adaptive_buffers=true (buffers grow as "
+                    "needed), raise parallel.recv_buffer_factor, or set it to null for the worst case"
+                )
             log.warning("%s; they were counted as dropped", msg)
 
     first = (start or 0) + 1
@@ -168,7 +176,7 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         meter.reset()
         for step in range(first, cfg.train.steps + 1):
             batch = _global_batch(next(data_iter), data_sh)
-            state, metrics = step_fn(state, batch)
+            state, metrics = step_fn(state, batch, step)
             if pending is not None:  # check the previous step while this one runs
                 check(*pending)
             pending = (step, metrics)
@@ -193,10 +201,16 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
                             metrics["tokens_per_expert"], metrics["drop_rate"], metrics.get("recv_rows")
                         )
                     )
+                if "wire_bytes" in metrics:
+                    record.update(exchange_stats(metrics, ladder))
                 records.append(record)
                 logger.log(record)
-            if ckpt is not None and cfg.checkpoint.enabled:
-                ckpt.save(step, state.as_dict(), data_iter, cfg, force=step == cfg.train.steps)
+            final = step == cfg.train.steps
+            if ckpt is not None and cfg.checkpoint.enabled and ckpt.due(step, final):
+                if pending is not None:  # never save a step before it is known to be good
+                    check(*pending)
+                    pending = None
+                ckpt.save(step, state.as_dict(), data_iter, cfg, force=final)
         if pending is not None:
             check(*pending)
     finally:

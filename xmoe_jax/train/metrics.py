@@ -66,6 +66,20 @@ def expert_stats(tokens_per_expert_LE, drop_rate_L, recv_rows_LP=None) -> dict:
     return out
 
 
+def exchange_stats(metrics: dict, ladder) -> dict:
+    """Per-layer wire accounting (bytes per device, dispatch + combine: what the transport moved and
+    what the routing needed) and the adaptive buffers' state."""
+    wire_L = np.asarray(metrics["wire_bytes"], np.float64).mean(-1)
+    routed_L = np.asarray(metrics["routed_bytes"], np.float64).mean(-1)
+    return {
+        "wire_bytes": [round(float(v)) for v in wire_L],
+        "routed_bytes": [round(float(v)) for v in routed_L],
+        "peak_ratio": round(float(metrics["peak_ratio"]), 3),
+        "buffer_factor": ladder.factor,
+        "buffer_changes": ladder.changes,
+    }
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and shows progress: a live line on a terminal, plain lines when piped."""
 

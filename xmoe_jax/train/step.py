@@ -90,6 +90,9 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
 
     data_sh = batch_sharding(mesh, cfg)
+    dropless_exchange = (
+        moe is not None and moe.capacity_factor is None and spec.parallel.dispatch in ("pft", "rbd")
+    )
     micro = cfg.train.micro_batch_size
     num_micro = cfg.train.batch_size // micro if micro else 1
 
@@ -129,13 +132,18 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
         params = optax.apply_updates(state.params, updates)
         bias = update_router_biases(state.bias, stats, bias_rate)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        # dropless: a step whose copies did not all fit the buffers is not a step at all (the
+        # trainer reruns it with bigger buffers): nothing moves, not even the step count or RNG
+        fits = stacked.num_overflow.sum() == 0 if dropless_exchange else jnp.ones((), bool)
+        ok = finite & fits
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1))
         new_state = TrainState(
-            step=state.step + 1,
+            step=jnp.where(fits, state.step + 1, state.step),
             params=keep(params, state.params),
             bias=keep(bias, state.bias),
             opt=keep(opt, state.opt),
-            rng=jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)),
+            rng=jnp.where(fits, new_rng, state.rng),
         )
         metrics = {
             "loss": loss,
@@ -151,6 +159,9 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
             if stacked.num_overflow is not None:
                 metrics["num_overflow"] = stacked.num_overflow.sum()
                 metrics["recv_rows"] = stacked.recv_rows
+                metrics["peak_ratio"] = stacked.peak_ratio.max()
+                metrics["wire_bytes"] = stacked.wire_bytes  # [L, devices]
+                metrics["routed_bytes"] = stacked.routed_bytes
         return new_state, metrics
 
     return jax.jit(
