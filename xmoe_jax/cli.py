@@ -1,8 +1,9 @@
-"""Command-line entry points: `xmoe-train` and `xmoe-params`.
+"""Command-line entry points: `xmoe-train`, `xmoe-params` and `xmoe-tokenize`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
+    xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
@@ -126,6 +127,42 @@ def params_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return _fail(err)
     print(format_param_table(cfg.model))
+    return 0
+
+
+def tokenize_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-tokenize",
+        description="Tokenize .txt/.jsonl/.parquet documents into ArrayRecord shards for data.path "
+        "(rerun the same command to resume an interrupted job).",
+    )
+    p.add_argument("--input", required=True, help="a file, a folder or a quoted glob of documents")
+    p.add_argument(
+        "--tokenizer", required=True, help="tokenizer.json, tokenizer directory, .model or 'bytes'"
+    )
+    p.add_argument("--output", required=True, help="directory for the shards and manifest.json")
+    p.add_argument(
+        "--text-field", default="text", help="text field of .jsonl/.parquet documents (default: text)"
+    )
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^27)")
+    args = p.parse_args(argv)
+    from xmoe_jax.data.tokenize import DEFAULT_SHARD_TOKENS, tokenize_to_shards
+
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        summary = tokenize_to_shards(
+            args.input,
+            args.tokenizer,
+            args.output,
+            text_field=args.text_field,
+            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+            report=report,
+        )
+    except ConfigError as err:
+        return _fail(err)
+    print(f"done: {summary}")
     return 0
 
 
