@@ -1,9 +1,10 @@
-"""Command-line entry points: `xmoe-train`, `xmoe-params` and `xmoe-tokenize`.
+"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-tokenize` and `xmoe-eval`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
+    xmoe-eval --run-dir runs/mine [--step 200] [--set eval.holdout=0.01]
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
@@ -95,9 +96,7 @@ def train_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.xla_flags import apply_defaults
 
     apply_defaults()  # before anything starts JAX's backend
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("xmoe_jax").setLevel(logging.INFO)
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    _quiet_logging()
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
 
@@ -128,6 +127,12 @@ def params_main(argv: list[str] | None = None) -> int:
         return _fail(err)
     print(format_param_table(cfg.model))
     return 0
+
+
+def _quiet_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("xmoe_jax").setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 def tokenize_main(argv: list[str] | None = None) -> int:
@@ -163,6 +168,38 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         return _fail(err)
     print(f"done: {summary}")
+    return 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-eval", description="Evaluate a checkpoint of a run on its eval data (loss, perplexity)."
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory xmoe-train wrote")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the run's config, e.g. --set eval.data.path=valid.jsonl (repeatable)",
+    )
+    args = p.parse_args(argv)
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()
+    _quiet_logging()
+    from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.train.evaluate import evaluate_checkpoint
+
+    try:
+        r = evaluate_checkpoint(args.run_dir, args.step, args.overrides)
+    except (ConfigError, CheckpointError) as err:
+        return _fail(err)
+    print(
+        f"step {r['step']}: eval loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f} ({r['eval_tokens']:,} tokens)"
+    )
     return 0
 
 

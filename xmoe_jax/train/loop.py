@@ -18,10 +18,11 @@ from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
-from xmoe_jax.data import make_input
+from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
+from xmoe_jax.train.evaluate import Evaluator
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
@@ -39,6 +40,7 @@ class TrainResult:
     final_step: int
     skipped: list[int]  # steps not applied (non-finite loss or gradient, nan_policy=skip)
     records: list[dict]  # what was logged
+    evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
@@ -76,7 +78,9 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         vocab_size=cfg.model.vocab_size,
         process_index=process_index,
         process_count=num_processes,
+        holdout=cfg.eval.holdout,
     )
+    eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
     start = _prepare_run_dir(run_dir, resume, ckpt)
@@ -96,10 +100,12 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main)
+        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main, eval_data)
 
 
-def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
+def _run(
+    cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool, eval_data=None
+) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -120,8 +126,10 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
     )
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main)
+    evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
     losses: dict[int, float] = {}
     records: list[dict] = []
+    evals: list[dict] = []
     skipped: list[int] = []
 
     def check(step: int, metrics: dict) -> None:
@@ -180,6 +188,10 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
                     )
                 records.append(record)
                 logger.log(record)
+            if evaluator is not None and evaluator.due(step, cfg.train.steps):  # [eval]
+                evals.append(evaluator.run(state, step))
+                logger.log(evals[-1])
+                meter.reset()  # eval time is not training throughput
             if ckpt is not None and cfg.checkpoint.enabled:
                 ckpt.save(step, state.as_dict(), data_iter, cfg, force=step == cfg.train.steps)
         if pending is not None:
@@ -189,4 +201,6 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
             ckpt.wait()
             ckpt.close()
         logger.close()
-    return TrainResult(losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records)
+    return TrainResult(
+        losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records, evals=evals
+    )

@@ -67,7 +67,8 @@ def expert_stats(tokens_per_expert_LE, drop_rate_L, recv_rows_LP=None) -> dict:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and shows progress: a live line on a terminal, plain lines when piped."""
+    """Writes metrics.jsonl (training records, and evaluation records holding `eval_loss`) and
+    shows progress: a live line on a terminal, plain lines when piped."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, stream=None):
         self.enabled = enabled
@@ -97,6 +98,12 @@ class MetricsLogger:
             self.stream.write("\r\x1b[K")
 
     def _line(self, r: dict) -> str:
+        prefix = "\r\x1b[K" if self.tty else ""
+        if "eval_loss" in r:
+            return (
+                prefix
+                + f"step {r['step']:>6}/{self.total} | eval loss {r['eval_loss']:.4f} | ppl {r['eval_ppl']:.2f}"
+            )
         parts = [f"step {r['step']:>6}/{self.total}", f"loss {r['loss']:.4f}"]
         parts.append(f"tok/s {r['tokens_per_s']:,.0f}")
         parts.append(f"TFLOP/s/dev {r['tflops_per_device']:.2f}")
@@ -105,7 +112,6 @@ class MetricsLogger:
         if "expert_imbalance" in r:
             parts.append(f"imb {max(r['expert_imbalance']):.2f}")
             parts.append(f"drop {max(r['drop_rate']):.3f}")
-        prefix = "\r\x1b[K" if self.tty else ""
         return prefix + " | ".join(parts)
 
     def close(self) -> None:
