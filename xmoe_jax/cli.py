@@ -1,10 +1,11 @@
-"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-tokenize` and `xmoe-eval`.
+"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-tokenize`, `xmoe-eval`, `xmoe-plot`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
     xmoe-eval --run-dir runs/mine [--step 200] [--set eval.holdout=0.01]
+    xmoe-plot --run-dir runs/mine
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
@@ -200,6 +201,24 @@ def eval_main(argv: list[str] | None = None) -> int:
     print(
         f"step {r['step']}: eval loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f} ({r['eval_tokens']:,} tokens)"
     )
+    return 0
+
+
+def plot_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-plot", description="Write PNGs of a run (loss, eval, expert load)."
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory xmoe-train wrote")
+    p.add_argument("--out", default=None, help="output folder (default: <run-dir>/plots)")
+    args = p.parse_args(argv)
+    from xmoe_jax.plot import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except ConfigError as err:
+        return _fail(err)
+    for path in written:
+        print(path)
     return 0
 
 

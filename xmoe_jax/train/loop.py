@@ -25,6 +25,7 @@ from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.evaluate import Evaluator
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger("xmoe_jax")
@@ -125,8 +126,9 @@ def _run(
     meter = Throughput(
         tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
     )
-    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main)
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
     evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
+    profiler = StepProfiler(cfg.train.profile_steps, run_dir, jax.process_index(), jax.process_count())
     losses: dict[int, float] = {}
     records: list[dict] = []
     evals: list[dict] = []
@@ -161,7 +163,9 @@ def _run(
         meter.reset()
         for step in range(first, cfg.train.steps + 1):
             batch = _global_batch(next(data_iter), data_sh)
+            profiler.before_step(step)  # [profile]
             state, metrics = step_fn(state, batch)
+            profiler.after_step(step, metrics)  # [profile]
             if pending is not None:  # check the previous step while this one runs
                 check(*pending)
             pending = (step, metrics)
@@ -197,6 +201,7 @@ def _run(
         if pending is not None:
             check(*pending)
     finally:
+        profiler.close()
         if ckpt is not None:
             ckpt.wait()
             ckpt.close()
