@@ -58,7 +58,7 @@ def test_every_kind_packs_the_same_documents(corpus, key) -> None:
     np.testing.assert_array_equal(_stream(it, num), byte_stream(DOCS)[: num * SEQ + 1])
 
 
-@pytest.mark.parametrize("key", ["jsonl", "arrayrecord", "megatron", "hf"])
+@pytest.mark.parametrize("key", sorted(KINDS))
 def test_state_round_trip(corpus, key) -> None:
     cfg = _cfg(corpus[key], seed=4, **KINDS[key][1])
     make = lambda: make_input(cfg, seq_len=SEQ, batch_size=4, vocab_size=256)  # noqa: E731
