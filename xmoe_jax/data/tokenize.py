@@ -40,12 +40,13 @@ class Summary:
     tokens: int
     shards: int
     resumed_shards: int  # shards that were already there when this call started
+    vocab_size: int  # model.vocab_size must be at least this
 
     def __str__(self) -> str:
         resumed = f" ({self.resumed_shards} already there, resumed)" if self.resumed_shards else ""
         return (
             f"{self.documents:,} documents, {self.tokens:,} tokens, {self.shards} shard(s) in "
-            f"{self.output}{resumed}"
+            f"{self.output}{resumed}; vocabulary {self.vocab_size} ids"
         )
 
 
@@ -127,9 +128,8 @@ def tokenize_to_shards(
             )
         _write(manifest, files, tokenizer, out, start, report)
     shards = manifest["shards"]
-    return Summary(
-        out, sum(s["documents"] for s in shards), sum(s["tokens"] for s in shards), len(shards), done
-    )
+    num_docs, num_tokens = sum(s["documents"] for s in shards), sum(s["tokens"] for s in shards)
+    return Summary(out, num_docs, num_tokens, len(shards), done, manifest["vocab_size"])
 
 
 def _write(manifest: dict, files: list[pathlib.Path], tokenizer, out: pathlib.Path, start, report) -> None:
