@@ -28,17 +28,21 @@ from xmoe_jax.config import ConfigError, load_config
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", default=None, help=DEFAULT_CONFIG_HELP)
+def _add_overrides(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="dotted override, e.g. --set train.steps=50 (repeatable)",
+        help=f"dotted override, e.g. --set {example} (repeatable)",
     )
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", default=None, help=DEFAULT_CONFIG_HELP)
+    _add_overrides(p, "train.steps=50")
     return p
 
 
@@ -178,14 +182,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--run-dir", required=True, help="the run directory xmoe-train wrote")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override the run's config, e.g. --set eval.data.path=valid.jsonl (repeatable)",
-    )
+    _add_overrides(p, "eval.data.path=valid.jsonl")
     args = p.parse_args(argv)
     from xmoe_jax.xla_flags import apply_defaults
 

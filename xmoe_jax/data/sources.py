@@ -32,7 +32,7 @@ from xmoe_jax.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from xmoe_jax.data.windows import ArrayStream, PackedWindows, SyntheticWindows, TokenStream
 
 log = logging.getLogger("xmoe_jax")
-_ENCODE_BATCH = 256
+ENCODE_BATCH = 256  # documents per tokenizer call
 _SCAN_TOKENS = 1 << 20  # pre-tokenized ids checked against the model's vocabulary up front
 
 
@@ -60,8 +60,9 @@ def detect_kind(src: SourceConfig, prefix: str) -> str:
     )
 
 
-def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of `size` consecutive items (the last may be shorter)."""
+    batch: list = []
     for item in items:
         batch.append(item)
         if len(batch) == size:
@@ -76,7 +77,7 @@ def tokenize_documents(docs: Iterable[str], tokenizer: Tokenizer, append_eos: bo
     eos = [tokenizer.eos_id] if append_eos else []
     chunks = [
         np.asarray(ids + eos, dtype=np.int32)
-        for batch in _batched(docs, _ENCODE_BATCH)
+        for batch in batched(docs, ENCODE_BATCH)
         for ids in tokenizer.encode_batch(batch)
     ]
     return np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
@@ -161,20 +162,21 @@ def _scan(stream: TokenStream, vocab_size: int, what: str) -> None:
     check_vocab(int(head.max()) + 1, vocab_size, what)
 
 
-def _open_arrayrecord(src: SourceConfig, tokenizer: Tokenizer, prefix: str, vocab_size: int) -> TokenStream:
+def _open_arrayrecord(src: SourceConfig, prefix: str, vocab_size: int) -> TokenStream:
     stream = ArrayRecordStream(src.path, prefix)
     tok = stream.manifest.get("tokenizer")
     check_vocab(stream.vocab_size, vocab_size, f"{prefix}path={src.path!r} (tokenized with {tok!r})")
     return stream
 
 
-def _open_megatron(src: SourceConfig, tokenizer: Tokenizer, prefix: str, vocab_size: int) -> TokenStream:
+def _open_megatron(src: SourceConfig, prefix: str, vocab_size: int) -> TokenStream:
     stream = ArrayStream(megatron.MegatronIndex(src.path, prefix).tokens_N)
     _scan(stream, vocab_size, f"{prefix}path={src.path!r} (the largest id of its first tokens)")
     return stream
 
 
-# kind -> opener(src, tokenizer, prefix[, vocab_size]); the pre-tokenized kinds check ids themselves
+# kind -> opener: (src, tokenizer, prefix) for text to tokenize; (src, prefix, vocab_size) for ids,
+# which these check themselves (no tokenizer: data.tokenizer is not used for them)
 _TOKENIZING = {"text": _open_text, "files": _open_documents("files"), "hf": _open_documents("hf")}
 _PRETOKENIZED = {"arrayrecord": _open_arrayrecord, "megatron": _open_megatron}
 
@@ -186,10 +188,10 @@ def open_windows(
     kind = detect_kind(src, prefix)
     if kind == "synthetic":
         return SyntheticWindows(seq_len, vocab_size, seed)
-    tokenizer = load_tokenizer(tokenizer_name)
     if kind in _TOKENIZING:
+        tokenizer = load_tokenizer(tokenizer_name)
         check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer={tokenizer_name!r}")
         stream = _TOKENIZING[kind](src, tokenizer, prefix)
     else:
-        stream = _PRETOKENIZED[kind](src, tokenizer, prefix, vocab_size)
+        stream = _PRETOKENIZED[kind](src, prefix, vocab_size)
     return PackedWindows(stream, seq_len, vocab_size, f"{prefix}path={src.path!r}")

@@ -27,10 +27,10 @@ import numpy as np
 from xmoe_jax.config import ConfigError
 from xmoe_jax.data import documents
 from xmoe_jax.data.arrayrecord import FORMAT, ShardWriter, read_manifest, token_dtype, write_manifest
+from xmoe_jax.data.sources import ENCODE_BATCH, batched
 from xmoe_jax.data.tokenizer import load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MB of uint16 ids per shard
-_ENCODE_BATCH = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +74,6 @@ def _documents(
         for di, text in enumerate(documents.file_documents(files[fi], text_field, "")):
             if fi > first_file or di >= first_doc:
                 yield fi, di, text
-
-
-def _batches(docs: Iterator[tuple[int, int, str]]) -> Iterator[list[tuple[int, int, str]]]:
-    batch = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == _ENCODE_BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def tokenize_to_shards(
@@ -147,7 +136,7 @@ def _write(manifest: dict, files: list[pathlib.Path], tokenizer, out: pathlib.Pa
         )
 
     try:
-        for batch in _batches(_documents(files, manifest["text_field"], start)):
+        for batch in batched(_documents(files, manifest["text_field"], start), ENCODE_BATCH):
             encoded = tokenizer.encode_batch([text for _, _, text in batch])
             for (fi, di, _), ids in zip(batch, encoded, strict=True):
                 writer.write(np.asarray(ids + eos))
