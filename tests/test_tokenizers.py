@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from data_helpers import documents, train_bpe
 
+from xmoe_jax.cli import train_main
 from xmoe_jax.config import ConfigError, DataConfig
 from xmoe_jax.data import BYTES_EOS, make_input
 from xmoe_jax.data.sources import tokenize_documents
@@ -98,7 +99,7 @@ def test_documents_are_packed_with_the_tokenizers_eos(made, tmp_path) -> None:
     np.testing.assert_array_equal(stream, expected[: 5 * 8 + 1])
 
 
-def test_vocab_mismatch_names_both_sizes(made, tmp_path) -> None:
+def test_vocab_mismatch_names_both_sizes(made, tmp_path, capsys) -> None:
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": SAMPLE}) + "\n")
     tok = load_tokenizer(str(made["bpe"]))
     cfg = DataConfig(path=str(tmp_path / "c.jsonl"), tokenizer=str(made["bpe"]))
@@ -106,6 +107,11 @@ def test_vocab_mismatch_names_both_sizes(made, tmp_path) -> None:
         make_input(cfg, seq_len=4, batch_size=1, vocab_size=100)
     msg = str(err.value)
     assert "model.vocab_size=100" in msg and f"({tok.vocab_size} ids)" in msg and str(made["bpe"]) in msg
+    run = tmp_path / "run"
+    argv = [f"data.path={tmp_path / 'c.jsonl'}", f"data.tokenizer={made['bpe']}", "model.vocab_size=100"]
+    argv += [f"train.run_dir={run}"]
+    assert train_main([x for kv in argv for x in ("--set", kv)]) == 2  # the CLI: one line, exit 2
+    assert capsys.readouterr().err.strip() == f"error: {msg}" and not run.exists()
 
 
 @pytest.mark.parametrize(
