@@ -128,7 +128,7 @@ def _run(
     )
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
     evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
-    profiler = StepProfiler(cfg.train.profile_steps, run_dir, jax.process_index(), jax.process_count())
+    profiler = StepProfiler(cfg.train.profile_steps, run_dir)  # [profile]
     losses: dict[int, float] = {}
     records: list[dict] = []
     evals: list[dict] = []

@@ -20,10 +20,10 @@ log = logging.getLogger("xmoe_jax")
 
 
 class StepProfiler:
-    def __init__(self, steps: tuple[int, int] | None, run_dir: Path, process_index: int, process_count: int):
+    def __init__(self, steps: tuple[int, int] | None, run_dir: Path):
         self._steps = steps
         base = Path(run_dir) / "profile"
-        self.directory = base if process_count == 1 else base / f"process_{process_index}"
+        self.directory = base if jax.process_count() == 1 else base / f"process_{jax.process_index()}"
         self._active = False
 
     def before_step(self, step: int) -> None:
