@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 from data_helpers import byte_stream, documents, write_corpus, write_jsonl
 
-from xmoe_jax.config import Config, ConfigError, DataConfig, EvalConfig, SourceConfig, TrainConfig
+from xmoe_jax.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    SourceConfig,
+    TrainConfig,
+    from_dict,
+    to_dict,
+)
 from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.data.sources import detect_kind
 
@@ -217,3 +226,12 @@ def test_holdout_too_small_and_config_errors(corpus) -> None:
         EvalConfig(every=10)
     with pytest.raises(ConfigError, match="alternatives"):
         EvalConfig(holdout=0.1, data=SourceConfig(path="x"))
+    cfg = Config(
+        data=DataConfig(mixture=(SourceConfig(path="a", weight=2.0),)),
+        train=TrainConfig(profile_steps=(2, 3)),
+    )
+    plain = to_dict(cfg)  # lists, as config.yaml and checkpoints hold them
+    assert plain["data"]["mixture"] == [dict(plain["data"]["mixture"][0])] and plain["train"][
+        "profile_steps"
+    ] == [2, 3]
+    assert from_dict(json.loads(json.dumps(plain))) == cfg

@@ -657,8 +657,18 @@ def migrate_dict(data: dict) -> dict:
     return out
 
 
+def _plain(value: Any) -> Any:
+    """Lists for tuples, recursively: what JSON and YAML read back."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain data (dicts, lists, scalars) that `from_dict` turns back into `cfg`."""
+    return _plain(dataclasses.asdict(cfg))
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
