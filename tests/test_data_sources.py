@@ -231,7 +231,5 @@ def test_holdout_too_small_and_config_errors(corpus) -> None:
         train=TrainConfig(profile_steps=(2, 3)),
     )
     plain = to_dict(cfg)  # lists, as config.yaml and checkpoints hold them
-    assert plain["data"]["mixture"] == [dict(plain["data"]["mixture"][0])] and plain["train"][
-        "profile_steps"
-    ] == [2, 3]
+    assert isinstance(plain["data"]["mixture"], list) and plain["train"]["profile_steps"] == [2, 3]
     assert from_dict(json.loads(json.dumps(plain))) == cfg
