@@ -144,3 +144,21 @@ def test_directory_without_tokenizer_json_needs_transformers(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="needs transformers"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is optional and not installed"
+)
+def test_transformers_directory_without_tokenizer_json(made, tmp_path) -> None:
+    """vocab.json + merges.txt + tokenizer_config.json: only transformers.AutoTokenizer reads it."""
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(made["bpe"]))
+    ref.model.save(str(tmp_path))
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(tmp_path))
+    assert type(tok).__name__ == "TransformersTokenizer"
+    assert (tok.vocab_size, tok.eos_id) == (ref.get_vocab_size(), ref.token_to_id("<|endoftext|>"))
+    (ids,) = tok.encode_batch([SAMPLE])
+    assert ids == ref.encode(SAMPLE).ids and tok.decode(ids) == SAMPLE
