@@ -154,7 +154,7 @@ def test_synthetic_processes_differ() -> None:
     [
         ({"path": "missing.txt"}, ["missing.txt", "set data.path"]),
         ({"path": "."}, ["data.path", "set data.path"]),
-        ({"path": "short"}, ["needs at least 17 bytes"]),
+        ({"path": "short"}, ["needs at least 17 tokens"]),
         ({"vocab_size": 255}, ["vocab_size=255", "model.vocab_size >= 256"]),
         ({"batch_size": 0}, ["batch_size=0", "train.batch_size"]),
         ({"seq_len": 0}, ["seq_len=0", "train.seq_len"]),

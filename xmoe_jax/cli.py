@@ -1,8 +1,11 @@
-"""Command-line entry points: `xmoe-train` and `xmoe-params`.
+"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-tokenize`, `xmoe-eval`, `xmoe-plot`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
+    xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
+    xmoe-eval --run-dir runs/mine [--step 200] [--set eval.holdout=0.01]
+    xmoe-plot --run-dir runs/mine
 
 Errors in the input (config, data, run directory, checkpoint) print one line naming
 the problem and the fix, and exit with status 2 before anything is compiled.
@@ -25,17 +28,21 @@ from xmoe_jax.config import ConfigError, load_config
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", default=None, help=DEFAULT_CONFIG_HELP)
+def _add_overrides(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="dotted override, e.g. --set train.steps=50 (repeatable)",
+        help=f"dotted override, e.g. --set {example} (repeatable)",
     )
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", default=None, help=DEFAULT_CONFIG_HELP)
+    _add_overrides(p, "train.steps=50")
     return p
 
 
@@ -94,9 +101,7 @@ def train_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.xla_flags import apply_defaults
 
     apply_defaults()  # before anything starts JAX's backend
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("xmoe_jax").setLevel(logging.INFO)
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    _quiet_logging()
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
 
@@ -172,6 +177,90 @@ def plan_main(argv: list[str] | None = None) -> int:
 
         with open(args.out, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
+
+
+def _quiet_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("xmoe_jax").setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+def tokenize_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-tokenize",
+        description="Tokenize .txt/.jsonl/.parquet documents into ArrayRecord shards for data.path "
+        "(rerun the same command to resume an interrupted job).",
+    )
+    p.add_argument("--input", required=True, help="a file, a folder or a quoted glob of documents")
+    p.add_argument(
+        "--tokenizer", required=True, help="tokenizer.json, tokenizer directory, .model or 'bytes'"
+    )
+    p.add_argument("--output", required=True, help="directory for the shards and manifest.json")
+    p.add_argument(
+        "--text-field", default="text", help="text field of .jsonl/.parquet documents (default: text)"
+    )
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default 2^27)")
+    args = p.parse_args(argv)
+    from xmoe_jax.data.tokenize import DEFAULT_SHARD_TOKENS, tokenize_to_shards
+
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        summary = tokenize_to_shards(
+            args.input,
+            args.tokenizer,
+            args.output,
+            text_field=args.text_field,
+            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+            report=report,
+        )
+    except ConfigError as err:
+        return _fail(err)
+    print(f"done: {summary}")
+    return 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-eval", description="Evaluate a checkpoint of a run on its eval data (loss, perplexity)."
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory xmoe-train wrote")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    _add_overrides(p, "eval.data.path=valid.jsonl")
+    args = p.parse_args(argv)
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()
+    _quiet_logging()
+    from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.train.evaluate import evaluate_checkpoint
+
+    try:
+        r = evaluate_checkpoint(args.run_dir, args.step, args.overrides)
+    except (ConfigError, CheckpointError) as err:
+        return _fail(err)
+    print(
+        f"step {r['step']}: eval loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f} ({r['eval_tokens']:,} tokens)"
+    )
+    return 0
+
+
+def plot_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="xmoe-plot", description="Write PNGs of a run (loss, eval, expert load)."
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory xmoe-train wrote")
+    p.add_argument("--out", default=None, help="output folder (default: <run-dir>/plots)")
+    args = p.parse_args(argv)
+    from xmoe_jax.plot import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except ConfigError as err:
+        return _fail(err)
+    for path in written:
+        print(path)
     return 0
 
 

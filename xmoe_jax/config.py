@@ -27,7 +27,7 @@ DropPolicy = Literal["probs", "position"]
 AuxLossType = Literal["micro_batch", "sequence", "none"]
 DType = Literal["bfloat16", "float32", "float16"]
 ParamDType = Literal["float32", "bfloat16"]
-DataSource = Literal["synthetic", "text"]
+DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
 NanPolicy = Literal["stop", "skip"]
@@ -367,18 +367,111 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Input: `synthetic` (deterministic, learnable) or `text` (byte-level file)."""
+class SourceConfig:
+    """One dataset: where it is and how to read it (`xmoe_jax/data/sources.py` opens each kind).
 
-    source: DataSource = "synthetic"
+    source: `auto` (detected from `path`: none = synthetic), `synthetic`, `text` (one file, one
+      token stream, no end-of-document marks), `files` (a folder or glob of .txt / .jsonl /
+      .parquet: every file, line or row a document), `hf` (a `datasets` save_to_disk directory
+      or .arrow files), `arrayrecord` (shards written by xmoe-tokenize), `megatron` (.bin + .idx).
+    text_field: the text column of jsonl / parquet / hf documents.
+    split: the split of a saved `datasets.DatasetDict`.
+    weight: share of a mixture (relative; normalised over the mixture).
+    """
+
+    source: DataSource = "auto"
     path: str | None = None
+    text_field: str = "text"
+    split: str = "train"
+    weight: float = 1.0
+
+    def check(self, prefix: str) -> None:
+        """Validation with the caller's prefix (`data.`, `data.mixture[2].`, `eval.data.`)."""
+        _check_choices(self, prefix)
+        if self.source not in ("auto", "synthetic"):
+            _check(self.path is not None, f"{prefix}source={self.source!r} needs {prefix}path=<location>")
+        _check(
+            not (self.source == "synthetic" and self.path is not None),
+            f"{prefix}source='synthetic' reads no {prefix}path={self.path!r}; set {prefix}source=auto "
+            "(detected from the path) or name the kind",
+        )
+        _check(self.weight > 0, f"{prefix}weight={self.weight} must be > 0")
+        _check(bool(self.text_field), f"{prefix}text_field must name the text column, e.g. 'text'")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training input: one source (`source`, `path`, ...) or a weighted `mixture` of sources,
+    tokenized with `tokenizer` (`bytes`, a tokenizer.json, a transformers tokenizer directory or a
+    sentencepiece .model) and packed into windows of seq_len + 1 tokens."""
+
+    source: DataSource = "auto"
+    path: str | None = None
+    text_field: str = "text"
+    split: str = "train"
+    mixture: tuple[SourceConfig, ...] = ()
+    tokenizer: str = "bytes"
     seed: int = 0
     shuffle: bool = True
 
     def __post_init__(self) -> None:
         _check_choices(self, "data.")
-        if self.source == "text":
-            _check(self.path is not None, "data.source='text' needs data.path=<file>")
+        _check(bool(self.tokenizer), "data.tokenizer must be 'bytes' or a tokenizer file or directory")
+        if self.mixture:
+            _check(
+                self.source == "auto" and self.path is None,
+                "data.mixture and data.source/data.path are alternatives; move the single source into "
+                "the mixture list (data.mixture: [{path: ..., weight: ...}, ...])",
+            )
+        for i, src in enumerate(self.mixture):
+            src.check(f"data.mixture[{i}].")
+        if not self.mixture:
+            self.sources[0].check("data.")
+
+    @property
+    def sources(self) -> tuple[SourceConfig, ...]:
+        """The mixture, or the single source as a mixture of one."""
+        if self.mixture:
+            return self.mixture
+        return (SourceConfig(self.source, self.path, self.text_field, self.split),)
+
+    @property
+    def byte_level(self) -> bool:
+        """Text is read as bytes (256 ids): the model needs vocab_size >= 256. Sources whose kind
+        is detected from the path (`auto`) are checked when they are opened."""
+        return self.tokenizer == "bytes" and any(s.source in ("text", "files", "hf") for s in self.sources)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: every `every` steps (0 = never during training; `xmoe-eval` still
+    works), `steps` batches of train.batch_size from the same start each time, on the last
+    `holdout` fraction of every training source (taken out of training) or on `data`."""
+
+    every: int = 0
+    steps: int = 10
+    holdout: float = 0.0
+    data: SourceConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"eval.every={self.every} must be >= 0 (0 = no evaluation during training)")
+        _check(self.steps >= 1, f"eval.steps={self.steps} must be >= 1")
+        _check(0 <= self.holdout < 1, f"eval.holdout={self.holdout} must be in [0, 1) (a fraction)")
+        _check(
+            not (self.holdout > 0 and self.data is not None),
+            "eval.holdout and eval.data are alternatives (a held-out split of the training data, or "
+            "another dataset); set one of them",
+        )
+        if self.data is not None:
+            self.data.check("eval.data.")
+        _check(
+            self.every == 0 or self.holdout > 0 or self.data is not None,
+            f"eval.every={self.every} needs eval data: set eval.holdout (e.g. 0.01) or eval.data.path",
+        )
+
+    @property
+    def has_data(self) -> bool:
+        return self.holdout > 0 or self.data is not None
 
 
 @dataclass(frozen=True)
@@ -409,9 +502,17 @@ class TrainConfig:
     run_dir: str = "runs/default"
     nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind
+    tensorboard: bool = True  # event files under <run_dir>/tensorboard
+    profile_steps: tuple[int, int] | None = None  # jax.profiler trace of steps [first, last]
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            _check(
+                1 <= first <= last,
+                f"train.profile_steps={list(self.profile_steps)} must be [first, last] with 1 <= first <= last",
+            )
         _check(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
         _check(self.seq_len >= 1, f"train.seq_len={self.seq_len} must be >= 1")
         _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
@@ -432,6 +533,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -440,10 +542,10 @@ class Config:
             self.train.seq_len <= self.model.max_seq_len,
             f"train.seq_len={self.train.seq_len} > model.max_seq_len={self.model.max_seq_len}",
         )
-        if self.data.source == "text":
+        if self.data.byte_level:
             _check(
                 self.model.vocab_size >= 256,
-                f"data.source='text' is byte-level (256 ids) but model.vocab_size={self.model.vocab_size}; "
+                f"data.tokenizer='bytes' reads 256 byte ids but model.vocab_size={self.model.vocab_size}; "
                 "set model.vocab_size >= 256",
             )
         moe = self.model.moe
@@ -519,6 +621,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {type(value).__name__}")
         return _build(base, value, path + ".")
+    if typing.get_origin(base) is tuple:
+        return _coerce_tuple(path, base, value)
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
@@ -534,6 +638,20 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(f"{path} must be {base.__name__}, got {value!r} ({type(value).__name__})")
     return value
+
+
+def _coerce_tuple(path: str, tp: Any, value: Any) -> tuple:
+    """`tuple[X, ...]` (any length) or `tuple[X, Y]` (fixed) from a YAML list."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{path} must be a list, got {value!r} ({type(value).__name__})")
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        types_ = [args[0]] * len(value)
+    else:
+        if len(value) != len(args):
+            raise ConfigError(f"{path} must have {len(args)} entries, got {len(value)}")
+        types_ = list(args)
+    return tuple(_coerce(f"{path}[{i}]", t, v) for i, (t, v) in enumerate(zip(types_, value, strict=True)))
 
 
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
@@ -577,8 +695,18 @@ def migrate_dict(data: dict) -> dict:
     return out
 
 
+def _plain(value: Any) -> Any:
+    """Lists for tuples, recursively: what JSON and YAML read back."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain data (dicts, lists, scalars) that `from_dict` turns back into `cfg`."""
+    return _plain(dataclasses.asdict(cfg))
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:

@@ -18,13 +18,14 @@ from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
-from xmoe_jax.data import make_input
+from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train import layout
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.errors import TrainingError
+from xmoe_jax.train.evaluate import Evaluator
 from xmoe_jax.train.metrics import (
     MetricsLogger,
     Throughput,
@@ -34,6 +35,7 @@ from xmoe_jax.train.metrics import (
     peak_tflops,
 )
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger("xmoe_jax")
@@ -45,6 +47,7 @@ class TrainResult:
     final_step: int
     skipped: list[int]  # steps not applied (non-finite loss or gradient, nan_policy=skip)
     records: list[dict]  # what was logged
+    evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
@@ -82,7 +85,9 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         vocab_size=cfg.model.vocab_size,
         process_index=process_index,
         process_count=num_processes,
+        holdout=cfg.eval.holdout,
     )
+    eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
     start = _prepare_run_dir(run_dir, resume, ckpt)
@@ -102,7 +107,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main)
+        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main, eval_data)
 
 
 def _restore(
@@ -120,7 +125,9 @@ def _restore(
     return jax.device_put(stacked, shardings)
 
 
-def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
+def _run(
+    cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool, eval_data=None
+) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -140,9 +147,12 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
     meter = Throughput(
         tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
     )
-    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main)
+    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
+    evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
+    profiler = StepProfiler(cfg.train.profile_steps, run_dir)  # [profile]
     losses: dict[int, float] = {}
     records: list[dict] = []
+    evals: list[dict] = []
     skipped: list[int] = []
 
     def check(step: int, metrics: dict) -> None:
@@ -176,7 +186,9 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         meter.reset()
         for step in range(first, cfg.train.steps + 1):
             batch = _global_batch(next(data_iter), data_sh)
+            profiler.before_step(step)  # [profile]
             state, metrics = step_fn(state, batch, step)
+            profiler.after_step(step, metrics)  # [profile]
             if pending is not None:  # check the previous step while this one runs
                 check(*pending)
             pending = (step, metrics)
@@ -205,6 +217,10 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
                     record.update(exchange_stats(metrics, ladder))
                 records.append(record)
                 logger.log(record)
+            if evaluator is not None and evaluator.due(step, cfg.train.steps):  # [eval]
+                evals.append(evaluator.run(state, step))
+                logger.log(evals[-1])
+                meter.reset()  # eval time is not training throughput
             final = step == cfg.train.steps
             if ckpt is not None and cfg.checkpoint.enabled and ckpt.due(step, final):
                 if pending is not None:  # never save a step before it is known to be good
@@ -214,8 +230,11 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         if pending is not None:
             check(*pending)
     finally:
+        profiler.close()
         if ckpt is not None:
             ckpt.wait()
             ckpt.close()
         logger.close()
-    return TrainResult(losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records)
+    return TrainResult(
+        losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records, evals=evals
+    )

@@ -1,4 +1,4 @@
-"""Throughput accounting and the metrics sinks (terminal/plain lines, metrics.jsonl).
+"""Throughput accounting and the metrics sinks (terminal/plain lines, metrics.jsonl, TensorBoard).
 
 Model FLOPs per token (training, forward + backward = 3x forward):
     6 * (active matmul parameters) + 12 * L * S * H * Dh
@@ -54,12 +54,22 @@ def _imbalance(load_LX) -> list[float]:
     return [round(float(v), 3) for v in load.max(-1) / np.maximum(load.mean(-1), 1e-9)]
 
 
+def expert_load(tokens_per_expert_LE) -> list[list[float]]:
+    """Per MoE layer, each expert's routed copies / the layer's mean, to 2 decimals (1.0 is
+    balanced; a collapsed router shows one expert near E and the rest near 0): compact enough
+    for every log line of metrics.jsonl, and what `xmoe-plot` draws as a heat map."""
+    load_LE = np.asarray(tokens_per_expert_LE, dtype=np.float64)
+    rel_LE = load_LE / np.maximum(load_LE.mean(-1, keepdims=True), 1e-9)
+    return [[round(float(v), 2) for v in row] for row in rel_LE]
+
+
 def expert_stats(tokens_per_expert_LE, drop_rate_L, recv_rows_LP=None) -> dict:
-    """Per-layer load imbalance (max/mean routed copies), drop rate and, for pft, the
-    imbalance of rows received per device (max/mean)."""
+    """Per-layer load imbalance (max/mean routed copies), drop rate, per-expert load and, for
+    pft, the imbalance of rows received per device (max/mean)."""
     out = {
         "expert_imbalance": _imbalance(tokens_per_expert_LE),
         "drop_rate": [round(float(v), 4) for v in np.asarray(drop_rate_L)],
+        "expert_load": expert_load(tokens_per_expert_LE),
     }
     if recv_rows_LP is not None:
         out["recv_imbalance"] = _imbalance(recv_rows_LP)
@@ -81,21 +91,30 @@ def exchange_stats(metrics: dict, ladder) -> dict:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and shows progress: a live line on a terminal, plain lines when piped."""
+    """Writes metrics.jsonl (training records, and evaluation records holding `eval_loss`), shows
+    progress (a live line on a terminal, plain lines when piped) and, with `tensorboard`, writes
+    the same records as TensorBoard summaries under <run_dir>/tensorboard."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, stream=None):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True, stream=None, tensorboard=False):
         self.enabled = enabled
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = self.path.open("a") if enabled else None
+        self._tensorboard = None
+        if enabled and tensorboard:
+            from xmoe_jax.train.tensorboard import TensorBoardWriter
+
+            self._tensorboard = TensorBoardWriter(Path(run_dir) / "tensorboard")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
         self.stream.write(self._line(record) + "\n")
         self.stream.flush()
 
@@ -111,6 +130,12 @@ class MetricsLogger:
             self.stream.write("\r\x1b[K")
 
     def _line(self, r: dict) -> str:
+        prefix = "\r\x1b[K" if self.tty else ""
+        if "eval_loss" in r:
+            return (
+                prefix
+                + f"step {r['step']:>6}/{self.total} | eval loss {r['eval_loss']:.4f} | ppl {r['eval_ppl']:.2f}"
+            )
         parts = [f"step {r['step']:>6}/{self.total}", f"loss {r['loss']:.4f}"]
         parts.append(f"tok/s {r['tokens_per_s']:,.0f}")
         parts.append(f"TFLOP/s/dev {r['tflops_per_device']:.2f}")
@@ -119,12 +144,13 @@ class MetricsLogger:
         if "expert_imbalance" in r:
             parts.append(f"imb {max(r['expert_imbalance']):.2f}")
             parts.append(f"drop {max(r['drop_rate']):.3f}")
-        prefix = "\r\x1b[K" if self.tty else ""
         return prefix + " | ".join(parts)
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 class Throughput:

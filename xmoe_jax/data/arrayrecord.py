@@ -1,0 +1,134 @@
+"""Pre-tokenized ArrayRecord shards: the layout `xmoe-tokenize` writes and the trainer reads.
+
+Why this layout: ArrayRecord gives random access to records, which grain needs for an exact,
+index-based resume. One record is one document's token ids (little-endian, `dtype` of the
+manifest) ending with the tokenizer's end-of-document id; a `.lengths.npy` beside each shard holds
+its records' token counts, so a window of the concatenated stream is found by binary search
+without reading the shards at start-up.
+
+A dataset directory:
+  manifest.json                 {"format": "xmoe-tokens", "version": 1, tokenizer, vocab_size,
+                                 eos_id, dtype, text_field, inputs, shards: [{file, lengths,
+                                 documents, tokens, next_input, next_document}], complete}
+  shard-00000.array_record      records = documents
+  shard-00000.lengths.npy       int64 [records]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+import grain
+import numpy as np
+
+from xmoe_jax.config import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = "xmoe-tokens"
+WRITER_OPTIONS = "group_size:1"  # one record per chunk: random reads touch only what they need
+
+
+def is_arrayrecord_dir(path: str) -> bool:
+    manifest = pathlib.Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("format") == FORMAT
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def read_manifest(directory: pathlib.Path) -> dict[str, Any] | None:
+    path = directory / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_manifest(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Atomic: a reader (or a resumed job) sees the old or the new manifest, never half of one."""
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, directory / MANIFEST)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
+
+
+class ShardWriter:
+    """One shard, written to `<file>.tmp` and renamed on `commit`, so a shard either exists whole
+    or not at all."""
+
+    def __init__(self, directory: pathlib.Path, index: int, dtype: np.dtype) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self.name = f"shard-{index:05d}.array_record"
+        self._path = directory / self.name
+        self._tmp = directory / (self.name + ".tmp")
+        self._writer = ArrayRecordWriter(str(self._tmp), WRITER_OPTIONS)
+        self._dtype = dtype
+        self.lengths: list[int] = []
+        self.tokens = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        self._writer.write(np.asarray(tokens, dtype=self._dtype).tobytes())
+        self.lengths.append(len(tokens))
+        self.tokens += len(tokens)
+
+    def commit(self) -> dict[str, Any]:
+        self._writer.close()
+        lengths = self._path.with_suffix(".lengths.npy")
+        np.save(lengths, np.asarray(self.lengths, dtype=np.int64))
+        os.replace(self._tmp, self._path)
+        return {
+            "file": self.name,
+            "lengths": lengths.name,
+            "documents": len(self.lengths),
+            "tokens": self.tokens,
+        }
+
+    def abort(self) -> None:
+        self._writer.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class ArrayRecordStream:
+    """The documents of every shard, concatenated, as one token stream."""
+
+    def __init__(self, path: str, prefix: str = "data.") -> None:
+        directory = pathlib.Path(path)
+        where = f"{prefix}path={path!r}"
+        manifest = read_manifest(directory) if directory.is_dir() else None
+        if manifest is None or manifest.get("format") != FORMAT:
+            raise ConfigError(f"{where} is not a directory written by xmoe-tokenize (no {MANIFEST})")
+        if not manifest.get("complete"):
+            raise ConfigError(
+                f"{where} is an unfinished xmoe-tokenize output; rerun the same xmoe-tokenize command to finish it"
+            )
+        shards = manifest["shards"]
+        if not shards or sum(s["tokens"] for s in shards) == 0:
+            raise ConfigError(f"{where} holds no tokens; tokenize a non-empty corpus")
+        self.manifest = manifest
+        self.vocab_size = int(manifest["vocab_size"])
+        self._dtype = np.dtype(manifest["dtype"])
+        self._source = grain.sources.ArrayRecordDataSource([str(directory / s["file"]) for s in shards])
+        lengths = np.concatenate([np.load(directory / s["lengths"]) for s in shards])
+        if len(lengths) != len(self._source):
+            raise ConfigError(
+                f"{where}: the shards hold {len(self._source)} records, the index {len(lengths)}"
+            )
+        self._ends = np.cumsum(lengths)  # record r covers tokens [ends[r] - lengths[r], ends[r])
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        stop = min(stop, len(self))
+        first = int(np.searchsorted(self._ends, start, side="right"))
+        last = int(np.searchsorted(self._ends, stop - 1, side="right"))
+        records = self._source.__getitems__(list(range(first, last + 1)))
+        tokens = np.concatenate([np.frombuffer(r, dtype=self._dtype) for r in records])
+        offset = start - (int(self._ends[first - 1]) if first else 0)
+        return tokens[offset : offset + stop - start].astype(np.int32)

@@ -1,0 +1,116 @@
+"""Evaluation: mean cross-entropy and perplexity on held-out batches, in a run or from a checkpoint.
+
+Why a separate jitted step: evaluation needs the loss only (no gradient, no optimizer, no donated
+state), so it is its own small function, compiled once on the train step's shardings; the train
+step is never retraced. Every evaluation reads the same `eval.steps` batches from the start
+(`data.make_eval_input`), so its numbers compare over a run and with `xmoe-eval` on a checkpoint.
+
+eval_loss = mean over batches of the mean token cross-entropy (batches have equal size);
+eval_ppl = exp(eval_loss).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import grain
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xmoe_jax import sharding
+from xmoe_jax.config import Config, ConfigError, load_config
+from xmoe_jax.data import make_eval_input
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train import step as tstep
+from xmoe_jax.train.state import TrainState
+
+log = logging.getLogger("xmoe_jax")
+
+
+def make_eval_step(spec: fmodel.ModelSpec, cfg: Config, mesh, shardings: TrainState):
+    """jit(params, bias, batch) -> mean token cross-entropy (replicated scalar)."""
+
+    def eval_step(params, bias, batch):
+        logits_BSV, _ = fmodel.apply(spec, params, bias, batch["inputs"])
+        return tstep.cross_entropy(logits_BSV, batch["targets"])
+
+    data_sh = tstep.batch_sharding(mesh, cfg)
+    return jax.jit(
+        eval_step,
+        in_shardings=(shardings.params, shardings.bias, {"inputs": data_sh, "targets": data_sh}),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )
+
+
+class Evaluator:
+    """The eval batches and the compiled eval step of one run."""
+
+    def __init__(self, batches: grain.MapDataset, spec, cfg: Config, mesh, shardings: TrainState) -> None:
+        self._batches = batches
+        self._every = cfg.eval.every
+        self._step_fn = make_eval_step(spec, cfg, mesh, shardings)
+        self._data_sh = tstep.batch_sharding(mesh, cfg)
+        self._tokens = cfg.train.batch_size * cfg.train.seq_len * len(batches)
+
+    @classmethod
+    def for_training(cls, cfg: Config, spec, mesh, shardings, batches) -> Evaluator | None:
+        """None unless the run evaluates (`eval.every` > 0)."""
+        return cls(batches, spec, cfg, mesh, shardings) if cfg.eval.every and batches is not None else None
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self._every == 0 or step == last_step
+
+    def run(self, state: TrainState, step: int) -> dict:
+        """{"step", "eval_loss", "eval_ppl", "eval_tokens"} for the state's parameters."""
+        losses = []
+        for i in range(len(self._batches)):
+            local = self._batches[i]
+            batch = {k: jax.make_array_from_process_local_data(self._data_sh, v) for k, v in local.items()}
+            losses.append(self._step_fn(state.params, state.bias, batch))
+        loss = sum(float(x) for x in losses) / len(losses)
+        return {
+            "step": step,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(min(loss, 700.0)),  # exp overflows past ~709
+            "eval_tokens": self._tokens,
+        }
+
+
+def evaluate_checkpoint(
+    run_dir: str | Path, step: int | None = None, overrides: list[str] | None = None
+) -> dict:
+    """Evaluates the checkpoint at `step` (latest if None) of a run on the run's eval data
+    (its `eval:` section with `overrides` applied). Writes nothing."""
+    from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import abstract_state, state_shardings
+
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"{run_dir} holds no config.yaml; pass the run directory xmoe-train wrote (--run-dir)"
+        )
+    cfg = load_config(config_file, [*(overrides or []), f"train.run_dir={run_dir}"])
+    cfg.validate_for_devices(jax.device_count(), jax.process_count())
+    batches = make_eval_input(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    if batches is None:
+        raise ConfigError(
+            f"the run in {run_dir} has no eval data (eval.holdout=0, no eval.data); pass "
+            "--set eval.data.path=<dataset> or --set eval.holdout=<fraction>"
+        )
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        raise ConfigError(f"{run_dir} holds no checkpoints/; train with checkpoint.enabled=true")
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh), Checkpointer(ckpt_dir, cfg.checkpoint) as ckpt:
+        step = step if step is not None else ckpt.latest_step()
+        check_compatible(ckpt.read_config(step), cfg)
+        spec = fmodel.model_spec(cfg.model, cfg.parallel)
+        optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+        shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
+        abstract = abstract_state(spec, optimizer, shardings)
+        state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), None, step))
+        return Evaluator(batches, spec, cfg, mesh, shardings).run(state, step)
