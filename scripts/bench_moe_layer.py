@@ -48,8 +48,15 @@ def shapes(args, dispatch: str, capacity_factor: float | None = None):
     """Small shapes and the placement for `dispatch` (the command line's exchange options for pft / rbd)."""
     extra = {}
     if dispatch in ("pft", "rbd"):
-        extra = {"transport": args.transport, "recv_buffer_factor": args.recv_buffer_factor}
+        extra = {
+            "transport": args.transport,
+            "recv_buffer_factor": args.recv_buffer_factor,
+            "overlap_chunks": args.overlap_chunks,
+        }
     cfg, dim = small_shapes(capacity_factor=capacity_factor)
+    factor = extra.get("recv_buffer_factor")
+    if factor is not None:
+        extra["recv_buffer_factor"] = None if factor == "auto" else float(factor)
     return cfg, ParallelConfig(dispatch=dispatch, **extra), dim
 
 
@@ -86,8 +93,12 @@ def main() -> None:
     p.add_argument("--no-exchange", action="store_true", help="skip the exchange-alone comparison")
     p.add_argument("--transport", default="auto", help="pft/rbd exchange: auto, ragged or emulated")
     p.add_argument(
-        "--recv-buffer-factor", type=float, default=None, help="pft/rbd receive buffer (None: worst case)"
+        "--recv-buffer-factor",
+        default=None,
+        help="pft/rbd receive buffer factor; 'auto' = the smallest rung of the trainer's ladder that "
+        "holds the measured peak (as adaptive training would settle); default: the worst case",
     )
+    p.add_argument("--overlap-chunks", type=int, default=1, help="pft/rbd: dispatch the tokens in N chunks")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -106,7 +117,12 @@ def main() -> None:
             name, _, cf = mode.partition(":")
             cfg, par, dim = shapes(args, name, float(cf) if cf else None)
             try:
-                rows.append(moe_layer_case(cfg, par, dim, num_tokens, mesh, skew, iters=args.iters))
+                settle = args.recv_buffer_factor == "auto" and name in ("pft", "rbd")
+                rows.append(
+                    moe_layer_case(
+                        cfg, par, dim, num_tokens, mesh, skew, iters=args.iters, settle_buffers=settle
+                    )
+                )
             except Exception as err:  # record and go on: one failing mode must not hide the rest
                 rows.append(
                     {
@@ -143,21 +159,24 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(
-        f"\n{'skew':>4} {'mode':<12} {'fwd ms':>8} {'f+b ms':>8} {'tok/s':>10} {'TFLOP/s':>8} "
-        f"{'temp GB':>8} {'drop':>6} {'a2a MB':>8} {'ovfl':>6}"
+        f"\n{'skew':>4} {'mode':<22} {'fwd ms':>8} {'f+b ms':>8} {'tok/s':>10} {'TFLOP/s':>8} "
+        f"{'temp GB':>8} {'drop':>6} {'wire MB':>8} {'routed MB':>9} {'ovfl':>6}"
     )
     for r in rows:
         mode = f"{r['dispatch']}:{r['capacity_factor']}"
+        if r["dispatch"] in ("pft", "rbd"):
+            mode += f"/{r.get('transport', '')}@{r.get('recv_buffer_factor')}"
         if "error" in r:
-            print(f"{r['skew']:>4} {mode:<12} {r['error'][:80]}")
+            print(f"{r['skew']:>4} {mode:<22} {r['error'][:80]}")
             continue
         a2a = sum(v["bytes"] for k, v in r["collectives"].items() if "all-to-all" in k) / 1e6
         wire = r.get("pft_wire_bytes_per_device", 0) + r.get("rbd_node_wire_bytes_per_device", 0)
-        a2a = wire / 1e6 if r["dispatch"] in ("pft", "rbd") else a2a
+        wire = wire / 1e6 if r["dispatch"] in ("pft", "rbd") else a2a
+        routed = r.get("routed_bytes_per_device", 0) / 1e6
         print(
-            f"{r['skew']:>4} {mode:<12} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
+            f"{r['skew']:>4} {mode:<22} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
             f"{r['useful_tflops_per_device']:>8.1f} {(r['temp_bytes'] or 0) / 1e9:>8.2f} {r['drop_rate']:>6.3f} "
-            f"{a2a:>8.1f} {r.get('num_overflow', 0):>6}"
+            f"{wire:>8.1f} {routed:>9.1f} {r.get('num_overflow', 0):>6}"
         )
     for st in stages:
         if "error" in st:

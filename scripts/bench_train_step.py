@@ -19,6 +19,8 @@ from xmoe_jax.xla_flags import apply_defaults
 
 apply_defaults()  # before JAX starts its backend
 
+import jax  # noqa: E402
+
 from xmoe_jax.config import load_config  # noqa: E402
 from xmoe_jax.perf.timing import dense_matmul_tflops, environment  # noqa: E402
 from xmoe_jax.train.loop import train  # noqa: E402
@@ -44,6 +46,7 @@ def main() -> None:
         cfg = load_config(args.config, overrides)
         result = train(cfg)
     last = result.records[-1]
+    memory = jax.local_devices()[0].memory_stats() or {}
     ceiling = dense_matmul_tflops()
     out = {
         **environment(),
@@ -59,8 +62,16 @@ def main() -> None:
         "mfu_vs_datasheet": last["mfu"],
         "dense_matmul_tflops": ceiling,
         "ratio_vs_dense_matmul": last["tflops_per_device"] / ceiling,
+        "first_loss": result.records[0]["loss"],
         "final_loss": last["loss"],
         "drop_rate": last.get("drop_rate"),
+        "first_step_s": result.first_step_s,  # compilation + the first step
+        "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
+        "exchange": {
+            k: last[k]
+            for k in ("wire_bytes", "routed_bytes", "peak_ratio", "buffer_factor", "buffer_changes")
+            if k in last
+        },  # fmt: skip
     }
     print(json.dumps(out, indent=1))
     if args.out:

@@ -304,3 +304,24 @@ def test_per_layer_checkpoint_restores_into_the_stacks(tmp_path):
     assert config["model"]["num_layers"] == 3
     resumed = train(_step_cfg(old, *over), resume=True)
     assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_gpu_attention_backends_equal_xla_in_bf16(impl):
+    """On a GPU: the fast backends against XLA's attention in float32, bf16 inputs, GQA, gradients."""
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (2, 1024, 16, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, 1024, 4, 128), jnp.bfloat16) for key in (kk, kv))
+    if impl == "cudnn" and choose("cudnn", q, k) != "cudnn":
+        pytest.skip("cuDNN attention needs an NVIDIA GPU")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+
+    def loss(impl, *args):
+        return jnp.sum(attend(*args, impl).astype(jnp.float32) ** 2)
+
+    assert rel_err(attend(q, k, v, impl), attend(*f32, "xla")) < 1e-2
+    got = jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*f32)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 2e-2

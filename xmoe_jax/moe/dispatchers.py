@@ -23,14 +23,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+
 from xmoe_jax import sharding
 from xmoe_jax.config import MoEConfig, ParallelConfig
+from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
-from xmoe_jax.moe.stages import Stages
+from xmoe_jax.moe.stages import Stages, prefixed
 
 
 def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -105,6 +108,55 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
     )
 
 
+_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio")
+
+
+def _in_chunks(stages_fn):
+    """`stages_fn` run on `parallel.overlap_chunks` consecutive slices of the shard's tokens.
+
+    Each chunk is routed copies, exchange, experts and combine of its own (queue positions are
+    re-ranked inside the chunk; capacity was already decided for the whole shard), so XLA may
+    run one chunk's exchange while another chunk's experts compute. Outputs are concatenated;
+    statistics summed (peaks: the max). Stage names gain a `chunk<i>/` prefix.
+    """
+
+    def run(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
+        num = parallel.overlap_chunks if place.sharded else 1
+        if num == 1 or x_TD.shape[0] % num:
+            return (yield from stages_fn(x_TD, kept, experts, cfg, parallel, place))
+        size = x_TD.shape[0] // num
+        ys, stats = [], []
+        for i in range(num):
+            part = slice(i * size, (i + 1) * size)
+            idx_TK, keep_TK = kept.topk_idx_TK[part], kept.keep_TK[part]
+            pos_TK = expert_positions(
+                jnp.where(keep_TK, idx_TK, cfg.num_experts),
+                kept.gate_TK[part],
+                cfg.num_experts + 1,
+                "position",
+            )
+            chunk = kept._replace(
+                topk_idx_TK=idx_TK, gate_TK=kept.gate_TK[part], keep_TK=keep_TK, pos_TK=pos_TK
+            )
+            y_TD, st = yield from prefixed(
+                f"chunk{i}", stages_fn(x_TD[part], chunk, experts, cfg, parallel, place)
+            )
+            ys.append(y_TD)
+            stats.append(st)
+
+        def merge(name, *values):
+            if values[0] is None:
+                return None
+            return jnp.max(jnp.stack(values), 0) if name in _MAX_STATS else sum(values)
+
+        merged = type(stats[0])(
+            *(merge(n, *vs) for n, vs in zip(stats[0]._fields, zip(*stats, strict=True), strict=True))
+        )
+        return jnp.concatenate(ys), merged
+
+    return run
+
+
 @dataclass(frozen=True)
 class Dispatcher:
     """One dispatch mode: its stages, where it runs, and the exchange statistics it reports."""
@@ -127,6 +179,6 @@ _RBD_FIELDS = (*_PFT_FIELDS, "pilot_rows", "inter_node_rows", "wire_bytes_node",
 DISPATCHERS: dict[str, Dispatcher] = {
     "dense": Dispatcher(_dense, shard_map=False),
     "padded": Dispatcher(_padded, shard_map=False),
-    "pft": Dispatcher(_pft, shard_map=True, exchange_fields=_PFT_FIELDS),
-    "rbd": Dispatcher(_rbd, shard_map=True, exchange_fields=_RBD_FIELDS),
+    "pft": Dispatcher(_in_chunks(_pft), shard_map=True, exchange_fields=_PFT_FIELDS),
+    "rbd": Dispatcher(_in_chunks(_rbd), shard_map=True, exchange_fields=_RBD_FIELDS),
 }

@@ -60,6 +60,16 @@ def place_inputs(params, x_TD, parallel: ParallelConfig, mesh):
     return jax.device_put(params, p_sh), jax.device_put(x_TD, tokens)
 
 
+def settled_rung(cfg: MoEConfig, parallel: ParallelConfig, params, x_TD, mesh) -> ParallelConfig:
+    """`parallel` with the smallest buffer rung (train/buffers.py) that holds this routing's peak."""
+    from xmoe_jax.train.buffers import RUNGS, _rung_index
+
+    worst = dataclasses.replace(parallel, recv_buffer_factor=None)
+    _, stats = jax.jit(lambda p, x: moe_layer(p, x, cfg, worst, mesh=mesh))(params, x_TD)
+    peak = float(np.asarray(stats.peak_ratio).max()) if stats.peak_ratio is not None else 0.0
+    return dataclasses.replace(parallel, recv_buffer_factor=RUNGS[_rung_index(peak)])
+
+
 def moe_layer_case(
     cfg: MoEConfig,
     parallel: ParallelConfig,
@@ -69,10 +79,13 @@ def moe_layer_case(
     skew: float,
     dtype=jnp.bfloat16,
     iters: int = 10,
+    settle_buffers: bool = False,
 ) -> dict:
     params, x_TD = make_inputs(cfg, dim, num_tokens, skew, dtype)
     params, x_TD = place_inputs(params, x_TD, parallel, mesh)
     r_TD = jax.random.normal(jax.random.key(1), x_TD.shape, dtype)
+    if settle_buffers:  # the rung adaptive training would settle on for this routing
+        parallel = settled_rung(cfg, parallel, params, x_TD, mesh)
 
     def objective(params, x_TD):
         y_TD, stats = moe_layer(params, x_TD, cfg, parallel, mesh=mesh)
@@ -89,6 +102,8 @@ def moe_layer_case(
     flops = useful_flops(cfg, dim, num_tokens)
     out = {
         "dispatch": parallel.dispatch,
+        "transport": resolve_transport(parallel.transport),
+        "recv_buffer_factor": parallel.recv_buffer_factor,
         "capacity_factor": cfg.capacity_factor,
         "skew": skew,
         "tokens": num_tokens,
@@ -102,6 +117,8 @@ def moe_layer_case(
     }
     if stats.wire_bytes is not None:
         out["pft_wire_bytes_per_device"] = float(np.mean(np.asarray(stats.wire_bytes)))
+        out["routed_bytes_per_device"] = float(np.mean(np.asarray(stats.routed_bytes)))
+        out["peak_ratio"] = float(np.asarray(stats.peak_ratio).max())
         out["recv_rows_per_device"] = np.asarray(stats.recv_rows).tolist()
         out["num_overflow"] = int(stats.num_overflow)
     if stats.wire_bytes_node is not None:  # rbd: stage 1 (node axis), per device

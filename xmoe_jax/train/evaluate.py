@@ -11,6 +11,7 @@ eval_ppl = exp(eval_loss).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -30,11 +31,15 @@ log = logging.getLogger("xmoe_jax")
 
 
 def make_eval_step(spec: fmodel.ModelSpec, cfg: Config, mesh, shardings: TrainState):
-    """jit(params, bias, batch) -> mean token cross-entropy (replicated scalar)."""
+    """jit(params, bias, batch) -> mean token cross-entropy (replicated scalar).
+
+    Evaluation never drops a routed copy: pft/rbd receive buffers are the worst case here
+    (the training buffer ladder does not apply to a step that is not retried)."""
+    if spec.parallel.recv_buffer_factor is not None and spec.cfg.moe is not None:
+        spec = fmodel.model_spec(spec.cfg, dataclasses.replace(spec.parallel, recv_buffer_factor=None))
 
     def eval_step(params, bias, batch):
-        logits_BSV, _ = fmodel.apply(spec, params, bias, batch["inputs"])
-        return tstep.cross_entropy(logits_BSV, batch["targets"])
+        return fmodel.loss(spec, params, bias, batch["inputs"], batch["targets"])[0]
 
     data_sh = tstep.batch_sharding(mesh, cfg)
     return jax.jit(

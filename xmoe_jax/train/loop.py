@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -48,6 +49,7 @@ class TrainResult:
     skipped: list[int]  # steps not applied (non-finite loss or gradient, nan_policy=skip)
     records: list[dict]  # what was logged
     evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
+    first_step_s: float | None = None  # wall time of the first step, compilation included
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
@@ -182,6 +184,7 @@ def _run(
 
     first = (start or 0) + 1
     pending: tuple[int, dict] | None = None
+    started, first_step_s = time.perf_counter(), None
     try:
         meter.reset()
         for step in range(first, cfg.train.steps + 1):
@@ -189,6 +192,10 @@ def _run(
             profiler.before_step(step)  # [profile]
             state, metrics = step_fn(state, batch, step)
             profiler.after_step(step, metrics)  # [profile]
+            if step == first:  # compilation (and the first step) done: say how long it took
+                jax.block_until_ready(metrics["loss"])
+                first_step_s = time.perf_counter() - started
+                log.info("step %d compiled and ran in %.1f s", step, first_step_s)
             if pending is not None:  # check the previous step while this one runs
                 check(*pending)
             pending = (step, metrics)
@@ -236,5 +243,10 @@ def _run(
             ckpt.close()
         logger.close()
     return TrainResult(
-        losses=losses, final_step=cfg.train.steps, skipped=skipped, records=records, evals=evals
+        losses=losses,
+        final_step=cfg.train.steps,
+        skipped=skipped,
+        records=records,
+        evals=evals,
+        first_step_s=first_step_s,
     )

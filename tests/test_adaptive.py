@@ -1,0 +1,238 @@
+"""Dropless that never stops: adaptive receive buffers, the chunked (bucketed) exchange, overlap
+chunks and wire accounting, on 8 fake CPU devices (data 2 x expert 4; rbd: 2 nodes x 2).
+
+Skew: sigmoid routing whose selection bias sends almost every token to experts 0 and 1 (both on
+the first expert device): that device receives about four times the average, so a buffer sized
+near the average overflows and the trainer must grow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import rel_err
+
+from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig, load_config
+from xmoe_jax.moe import init_moe_params, moe_layer
+from xmoe_jax.sharding import make_mesh
+from xmoe_jax.train.buffers import RUNGS, AdaptiveStep, BufferLadder
+from xmoe_jax.train.errors import TrainingError
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+STEPS = 20
+
+
+def _cfg(tmp_path, *over):
+    return load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"train.run_dir={tmp_path}",
+            "train.batch_size=16",
+            "train.seq_len=16",
+            f"train.steps={STEPS}",
+            "model.dtype=float32",
+            "mesh.data=2",
+            "mesh.expert=4",
+            "model.moe.score_func=sigmoid",
+            "checkpoint.enabled=false",
+            *over,
+        ],
+    )
+
+
+def _skewed_run(cfg, num_steps: int = STEPS):
+    """num_steps train steps from a state whose router bias favours experts 0 and 1 (heavy skew)."""
+    from xmoe_jax.data import make_input
+    from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import init_state, state_shardings
+    from xmoe_jax.train.step import batch_sharding
+
+    mesh = make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        spec = model_spec(cfg.model, cfg.parallel)
+        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+        shardings = state_shardings(spec, opt, mesh)
+        state = init_state(spec, opt, cfg, mesh, shardings)
+        skew = jnp.zeros((cfg.model.moe.num_experts,)).at[:2].set(2.0)
+        bias = jax.tree.map(lambda b: jax.device_put(b + skew, b.sharding), state.bias)
+        state = state.replace(bias=bias)
+        step_fn = AdaptiveStep(cfg, opt, mesh, shardings)
+        data = make_input(
+            cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=256
+        )
+        sh = batch_sharding(mesh, cfg)
+        losses, drops, overflow = [], [], []
+        for step in range(1, num_steps + 1):
+            batch = {k: jax.device_put(v, sh) for k, v in next(data).items()}
+            state, metrics = step_fn(state, batch, step)
+            losses.append(float(metrics["loss"]))
+            drops.append(float(np.asarray(metrics["drop_rate"]).max()))
+            overflow.append(int(metrics.get("num_overflow", 0)))
+            imbalance = (
+                np.asarray(metrics["tokens_per_expert"]).max()
+                / np.asarray(metrics["tokens_per_expert"]).mean()
+            )
+    return losses, drops, overflow, step_fn.ladder, imbalance
+
+
+@functools.cache
+def _oracle(tmp_root):
+    return _skewed_run(_cfg(tmp_root / "dense", "parallel.dispatch=dense"))
+
+
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("pft-bucketed", ("parallel.dispatch=pft", "parallel.transport=bucketed")),
+        ("pft-compact", ("parallel.dispatch=pft", "parallel.transport=emulated")),
+        ("rbd-bucketed", ("parallel.dispatch=rbd", "mesh.expert_nodes=2", "parallel.transport=bucketed")),
+    ],
+)
+def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(tmp_path_factory, name, over):
+    root = tmp_path_factory.getbasetemp()
+    want, _, _, _, imbalance = _oracle(root)
+    assert imbalance > 3  # heavy skew: the busiest expert gets > 3x the mean
+    losses, drops, overflow, ladder, _ = _skewed_run(
+        _cfg(root / name, *over, "parallel.recv_buffer_factor=1.1")
+    )
+    assert len(losses) == STEPS and max(drops) == 0.0 and max(overflow) == 0  # every applied step: no drop
+    assert ladder.changes >= 1 and ladder.factor != 1.1  # it grew from the smallest rung
+    for got, ref in zip(losses, want, strict=True):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (name, losses, want)
+
+
+def test_an_overflowed_step_leaves_the_state_untouched(tmp_path):
+    from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import init_state, state_shardings
+    from xmoe_jax.train.step import batch_sharding, make_train_step
+
+    cfg = _cfg(
+        tmp_path,
+        "parallel.dispatch=pft",
+        "parallel.adaptive_buffers=false",
+        "parallel.recv_buffer_factor=0.3",
+    )
+    mesh = make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        spec = model_spec(cfg.model, cfg.parallel)
+        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+        shardings = state_shardings(spec, opt, mesh)
+        state = init_state(spec, opt, cfg, mesh, shardings)
+        before = jax.tree.map(np.asarray, state)
+        tokens = jax.device_put(
+            jax.random.randint(jax.random.key(0), (16, 16), 0, 256), batch_sharding(mesh, cfg)
+        )
+        after, metrics = make_train_step(spec, opt, cfg, mesh, shardings)(
+            state, {"inputs": tokens, "targets": tokens}
+        )
+    assert int(metrics["num_overflow"]) > 0
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)  # params, optimizer, bias, step and RNG
+
+
+def test_fixed_buffers_stop_and_no_checkpoint_holds_the_overflowed_step(tmp_path):
+    from xmoe_jax.train.checkpoint import Checkpointer
+    from xmoe_jax.train.loop import train
+
+    cfg = _cfg(
+        tmp_path / "run", "parallel.dispatch=pft", "parallel.adaptive_buffers=false",
+        "parallel.recv_buffer_factor=0.3", "checkpoint.enabled=true", "checkpoint.every=1", "train.log_every=5",
+    )  # fmt: skip
+    with pytest.raises(TrainingError, match="adaptive_buffers"):
+        train(cfg)
+    with Checkpointer(tmp_path / "run" / "checkpoints", cfg.checkpoint) as ckpt:
+        assert ckpt.all_steps() == []
+
+
+def test_adaptive_run_in_the_trainer_logs_changes_and_matches_worst_case(tmp_path):
+    from xmoe_jax.train.loop import train
+
+    common = ("parallel.dispatch=pft", "parallel.transport=bucketed", "train.steps=5", "train.log_every=5")
+    adaptive = train(_cfg(tmp_path / "a", *common, "parallel.recv_buffer_factor=1.1"))
+    worst = train(_cfg(tmp_path / "w", *common, "parallel.adaptive_buffers=false"))
+    record = adaptive.records[-1]
+    assert record["buffer_changes"] >= 1 and record["buffer_factor"] > 1.1
+    assert all(r <= w for r, w in zip(record["wire_bytes"], worst.records[-1]["wire_bytes"], strict=True))
+    for step, loss in worst.losses.items():
+        assert abs(adaptive.losses[step] - loss) <= 1e-6 * abs(loss)
+
+
+def test_ladder_grows_to_the_peak_and_shrinks_after_quiet_steps():
+    ladder = BufferLadder(ParallelConfig(dispatch="pft", buffer_shrink_after=3), active=True)
+    assert ladder.factor == 1.25
+    ladder.grow(step=1, overflow=5, peak_ratio=1.7)
+    assert ladder.factor == 2.0 and ladder.changes == 1  # straight to the smallest rung holding it
+    ladder.grow(step=2, overflow=5, peak_ratio=9.0)
+    assert ladder.factor is None  # the worst case
+    ladder.index = RUNGS.index(2.0)
+    for step in range(3, 6):
+        ladder.observe(step, peak_ratio=1.2)  # fits 1.5 with room
+    assert ladder.factor == 1.5 and ladder.changes == 3
+    ladder.observe(6, peak_ratio=1.45)  # does not fit 1.25 * 0.95: no further shrink, counter reset
+    assert ladder.quiet == 0 and ladder.factor == 1.5
+
+
+# ----------------------------------------------------------------------------- the layer: bucketed, chunks, accounting
+
+D, T = 16, 256
+CFG = MoEConfig(num_experts=8, top_k=2, expert_hidden=16, num_shared_experts=1)
+
+
+@functools.cache
+def _layer(par: ParallelConfig, mesh_cfg: MeshConfig | None):
+    mesh = make_mesh(mesh_cfg) if mesh_cfg is not None else None
+
+    def loss(p, x):
+        y, stats = moe_layer(p, x, CFG, par, mesh=mesh)
+        return jnp.sum(y * jnp.sin(x)) + stats.aux_loss, (y, stats)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+def _inputs():
+    params = init_moe_params(jax.random.key(0), D, CFG, std=0.3)
+    return params, jax.random.normal(jax.random.key(1), (T, D))
+
+
+@pytest.mark.parametrize("over", [{"transport": "bucketed"}, {"transport": "bucketed", "overlap_chunks": 2},
+                                  {"transport": "emulated", "overlap_chunks": 4}], ids=str)  # fmt: skip
+def test_bucketed_and_overlap_chunks_equal_dense(over):
+    params, x = _inputs()
+    (_, (y, stats)), grads = _layer(ParallelConfig(dispatch="pft", **over), MeshConfig(data=2, expert=4))(
+        params, x
+    )
+    (_, (y_d, _)), grads_d = _layer(ParallelConfig(dispatch="dense"), None)(params, x)
+    assert rel_err(y, y_d) < 1e-5
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_d), strict=True):
+        assert rel_err(a, b) < 1e-5
+    assert int(stats.num_overflow) == 0
+
+
+def test_wire_and_routed_bytes_are_exact():
+    """routed: 2 x rows sent off-device x D x 4 bytes; bucketed wire: 2 x (P-1) x C rows, whatever the routing."""
+    params, x = _inputs()
+    par = ParallelConfig(dispatch="pft", transport="bucketed", recv_buffer_factor=1.25)
+    (_, (_, stats)), _ = _layer(par, MeshConfig(data=2, expert=4))(params, x)
+    idx = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ params["router"]["kernel"]), 2)[1])
+    t_loc, peers = T // 8, 4
+    dest = idx // 2  # 2 experts per expert device
+    me = np.arange(T) // t_loc % peers  # the expert rank of each token's source device
+    routed = [(dest[d * t_loc : (d + 1) * t_loc] != me[d * t_loc]).sum() for d in range(8)]
+    if int(stats.num_overflow) == 0:
+        np.testing.assert_array_equal(np.asarray(stats.routed_bytes), 2 * np.asarray(routed) * D * 4)
+    chunk = int(np.ceil(1.25 * t_loc * 2 / peers))
+    np.testing.assert_array_equal(np.asarray(stats.wire_bytes), 2 * (peers - 1) * chunk * D * 4)
+    assert np.all(np.asarray(stats.buffer_rows) == chunk)
+
+
+def test_dispatch_mode_configs_keep_working_with_dataclass_replace():
+    par = dataclasses.replace(ParallelConfig(dispatch="pft"), overlap_chunks=2)
+    assert par.overlap_chunks == 2
