@@ -51,11 +51,16 @@ case "${1:-}" in
       --set train.batch_size=16
     summary ;;
   h100b)
+    # where the train step's time went after the layer stacks and the chunked loss (a regression hunt)
+    P="--set parallel.dispatch=pft --set model.moe.capacity_factor=null"
+    train_step train_pft_unrolled 120 30 $TINY $P --set model.unroll_layers=true
+    train_step train_pft_fullloss 120 30 $TINY $P --set model.loss_chunk=0
+    train_step train_pft_unrolled_fullloss 120 30 $TINY $P --set model.unroll_layers=true --set model.loss_chunk=0
     step plan_tiny_gpu 150 python3 -m xmoe_jax.cli_plan --config $TINY --devices 1 --real-devices \
       --set parallel.dispatch=pft --set model.moe.capacity_factor=null --device-memory 80GB --out "$OUT/plan_tiny_gpu.json"
-    step plan_small4_gpu 150 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 1 --real-devices \
+    step plan_small4_gpu 100 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 1 --real-devices \
       --set model.num_layers=4 --set mesh.expert=1 --set train.batch_size=8 --out "$OUT/plan_small4_gpu.json"
-    step plan_small28_gpu 200 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 1 --real-devices \
+    step plan_small28_gpu 120 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 1 --real-devices \
       --set mesh.expert=1 --set train.batch_size=8 --out "$OUT/plan_small28_gpu.json"
     summary ;;
   x2a)
