@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax import xla_flags
+
 
 class Plan(NamedTuple):
     input_offsets_P: jax.Array
@@ -74,10 +76,9 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
 
 
 def resolve_transport(transport: str) -> str:
-    """`auto` -> `ragged` on GPU (the only backend XLA implements it for), else `emulated`."""
-    if transport != "auto":
-        return transport
-    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm") else "emulated"
+    """`auto` -> `ragged` on GPU (the only backend XLA implements it for) when the XLA flags it
+    relies on took effect, else `emulated`; the rule and its warnings: `xla_flags.transport_for`."""
+    return xla_flags.transport_for(transport, jax.default_backend())
 
 
 def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
