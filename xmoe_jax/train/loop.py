@@ -4,6 +4,9 @@ Everything that can be wrong with the input (config, devices, data file, run
 directory, checkpoint) is checked before anything is compiled. A run directory
 that already holds a run is never written over: continue it with `resume=True`
 or choose a new `train.run_dir`.
+
+Reliability (docs/reliability.md) enters at marked places: the run directory's
+checks and lock, and the metrics trimmed to the resumed step (`rundir`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_input
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train import rundir
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
@@ -77,6 +81,15 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         process_index=process_index,
         process_count=num_processes,
     )
+    lock = rundir.claim(run_dir, process_index == 0)  # reliability: writable, one writer at a time
+    try:
+        return _start(cfg, run_dir, data_iter, resume)
+    finally:
+        lock.release()
+
+
+def _start(cfg: Config, run_dir: Path, data_iter, resume: bool) -> TrainResult:
+    num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
     start = _prepare_run_dir(run_dir, resume, ckpt)
@@ -110,6 +123,8 @@ def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool
         abstract = abstract_state(spec, optimizer, shardings)
         state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, start))
         log.info("resumed from %s at step %d", ckpt_dir, start)
+    if is_main:  # reliability: records of steps a kill lost (they run again) move aside
+        rundir.trim_metrics(run_dir, start or 0)
     step_fn = tstep.make_train_step(spec, optimizer, cfg, mesh, shardings)
     data_sh = tstep.batch_sharding(mesh, cfg)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
