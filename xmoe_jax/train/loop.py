@@ -6,7 +6,9 @@ that already holds a run is never written over: continue it with `resume=True`
 or choose a new `train.run_dir`.
 
 Reliability (docs/reliability.md) enters at marked places: the run directory's
-checks and lock, and the metrics trimmed to the resumed step (`rundir`).
+checks and lock, and the metrics trimmed to the resumed step (`rundir`); the resume
+from the newest intact checkpoint (`Checkpointer.resume_candidates` /
+`restore_first_intact`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ class TrainResult:
     records: list[dict]  # what was logged
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
-    """Returns the step to resume from (None = fresh); refuses to overwrite a run."""
+def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> list[int]:
+    """Returns the steps to resume from, newest first ([] = fresh); refuses to overwrite a run."""
+    if resume:  # reliability: only steps whose metadata and manifest check out
+        return ckpt.resume_candidates() if ckpt is not None else []
     latest = ckpt.latest_step() if ckpt is not None else None
-    if resume:
-        return latest
     if latest is not None:
         raise ConfigError(
             f"{run_dir} already holds a run (checkpoint at step {latest}); pass --resume to continue "
@@ -60,7 +62,7 @@ def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> 
             f"{run_dir} already holds metrics.jsonl from another run; set train.run_dir to a new "
             "directory (or pass --resume to append)"
         )
-    return None
+    return []
 
 
 def _global_batch(local: dict, shard) -> dict:
@@ -92,7 +94,8 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool) -> TrainResult:
     num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
-    start = _prepare_run_dir(run_dir, resume, ckpt)
+    candidates = _prepare_run_dir(run_dir, resume, ckpt)
+    start = candidates[0] if candidates else None
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
     if start is not None and start >= cfg.train.steps:
@@ -109,19 +112,21 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool) -> TrainResult:
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main)
+        return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main)
 
 
-def _run(cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
+def _run(cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
-    if start is None:
+    start = None
+    if not candidates:
         state = init_state(spec, optimizer, cfg, mesh, shardings)
-    else:
+    else:  # reliability: the newest step that restores intact; damaged newer ones are moved aside
         abstract = abstract_state(spec, optimizer, shardings)
-        state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, start))
+        start, tree = ckpt.restore_first_intact(abstract.as_dict(), data_iter, candidates)
+        state = TrainState.from_dict(tree)
         log.info("resumed from %s at step %d", ckpt_dir, start)
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         rundir.trim_metrics(run_dir, start or 0)
