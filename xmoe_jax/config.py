@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -52,6 +53,20 @@ class ConfigError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def stop_signal_names(text: str) -> list[str]:
+    """`train.stop_signals` ("SIGTERM,INT,...", "" = none) as signal names; ConfigError if one is not
+    a signal a process can catch."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
+    for n in names:
+        _check(
+            n in signal.Signals.__members__ and n not in ("SIGKILL", "SIGSTOP"),
+            f"train.stop_signals: {n} is not a signal a process can catch; list names such as "
+            "SIGTERM,SIGINT,SIGUSR1 (or '' for none)",
+        )
+    return names
 
 
 def _check_choices(obj: Any, prefix: str) -> None:
@@ -372,7 +387,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The loop: steps, global batch, sequence length, logging, NaN handling."""
+    """The loop: steps, global batch, sequence length, logging, NaN handling, stop signals."""
 
     steps: int = 100
     batch_size: int = 8  # global, in sequences
@@ -382,12 +397,14 @@ class TrainConfig:
     run_dir: str = "runs/default"
     nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind
+    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"  # finish the step, save, exit 75 (train/preemption.py)
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
         _check(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
         _check(self.seq_len >= 1, f"train.seq_len={self.seq_len} must be >= 1")
         _check(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        stop_signal_names(self.stop_signals)
         _check_choices(self, "train.")
 
 

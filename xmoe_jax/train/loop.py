@@ -8,7 +8,8 @@ or choose a new `train.run_dir`.
 Reliability (docs/reliability.md) enters at marked places: the run directory's
 checks and lock, and the metrics trimmed to the resumed step (`rundir`); the resume
 from the newest intact checkpoint (`Checkpointer.resume_candidates` /
-`restore_first_intact`).
+`restore_first_intact`); the stop on a signal after a step every process agrees on
+(`preemption`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from xmoe_jax.train import step as tstep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, expert_stats, flops_per_token, peak_tflops
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
 log = logging.getLogger("xmoe_jax")
@@ -111,11 +113,11 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool) -> TrainResult:
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main)
+    with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
+        return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main, stop)
 
 
-def _run(cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool) -> TrainResult:
+def _run(cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool, stop) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
@@ -202,6 +204,12 @@ def _run(cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main:
                 logger.log(record)
             if ckpt is not None and cfg.checkpoint.enabled:
                 ckpt.save(step, state.as_dict(), data_iter, cfg, force=step == cfg.train.steps)
+            if step < cfg.train.steps and stop.stop_now(step):  # reliability: the same step everywhere
+                if pending is not None:
+                    check(*pending)
+                raise stop.stop(
+                    step, ckpt if cfg.checkpoint.enabled else None, state.as_dict(), data_iter, cfg
+                )
         if pending is not None:
             check(*pending)
     finally:
