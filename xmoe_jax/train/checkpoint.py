@@ -267,11 +267,6 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         if config is not None:
             items["config"] = ocp.args.JsonSave(to_dict(config))
-        data_digests = None
-        if data_iter is not None:
-            data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
-        manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
-        items["manifest"] = ocp.args.JsonSave(manifest)
         if step in self._manager.all_steps():
             if not force:
                 return False
@@ -279,6 +274,11 @@ class Checkpointer:
                 f"checkpoint step {step} already exists in {self.directory}; orbax never overwrites a "
                 "step: delete that step directory by hand or save under a new train.run_dir"
             )
+        data_digests = None
+        if data_iter is not None:  # every process's position, in process order
+            data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
+        manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
+        items["manifest"] = ocp.args.JsonSave(manifest)
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
 
     # -- restore
