@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
-from clirun import STEPS, Cli, args, env, losses, tiny_config
+from clirun import REPO, STEPS, Cli, args, env, losses, tiny_config
 
 from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.train.loop import train
@@ -75,3 +76,27 @@ def test_stop_signals_are_validated():
     with pytest.raises(ConfigError, match="train.stop_signals: SIGKILL"):
         load_config(None, ["train.stop_signals=TERM,KILL"])
     assert load_config(None, ["train.stop_signals=''"]).train.stop_signals == ""
+
+
+def test_slurm_wrapper_passes_sigterm_on_requeues_on_75_and_resumes(tmp_path):
+    """scripts/slurm_requeue.sh with a stand-in srun step (bash) and scontrol (records its call)."""
+    (tmp_path / "scontrol").write_text(f'#!/bin/bash\necho "$*" > {tmp_path}/scontrol.log\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "set -euo pipefail\n"
+        f"source {REPO / 'scripts' / 'slurm_requeue.sh'}\n"
+        'CMD=(bash -c \'echo "$*" > args.log; trap "exit 75" TERM; sleep 60 & wait\' step)\n'
+        "xmoe_resume_flag CMD\n"
+        'xmoe_run_and_requeue env -- "${CMD[@]}"\n'
+    )
+    environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env={**environ, "SLURM_RESTART_COUNT": "1"})
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "args.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the shell's traps are set before srun starts
+    job.send_signal(signal.SIGTERM)  # scancel / --signal=B:TERM reach the batch shell
+    assert job.wait(timeout=30) == PREEMPTED_EXIT_CODE
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "42"]
+    assert (tmp_path / "args.log").read_text().split() == ["--resume"]  # a requeued job resumes
