@@ -15,6 +15,11 @@
 #                 then the Slingshot variables OLCF lists for a manual plugin are set here
 #   XMOE_REQUIRE_OFI=1  make RCCL fail instead of silently falling back to TCP sockets (multi-node)
 #   DRY_RUN=1     print the environment, the srun line and every task's launch plan; launch nothing
+#   XMOE_RESUME=1 pass --resume (added by itself when a requeued job restarts)
+#
+# Preemption (--signal, --requeue, --open-mode below): SIGTERM reaches every task 120 s before the
+# time limit; the trainer saves, exits with status 75 and this script requeues the job, which
+# resumes and appends to the same output file (scripts/slurm_requeue.sh, docs/reliability.md).
 #
 # Sources (OLCF user docs, docs.olcf.ornl.gov): "JAX" guide (modules rocm/7.2.0, cpe/26.03,
 # jax-rocm7-pjrt/-plugin wheels), "PyTorch on Frontier" (srun -c7 --gpus-per-task=1
@@ -26,6 +31,9 @@
 #SBATCH -t 01:00:00
 #SBATCH -p batch
 #SBATCH -o xmoe-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=TERM@120
+#SBATCH --requeue
 #SBATCH --network=disable_rdzv_get
 set -euo pipefail
 
@@ -86,15 +94,21 @@ else
   exit 2
 fi
 CMD=("$PYTHON" -u -m xmoe_jax.cli "$@")
+XMOE_SCRIPTS=${XMOE_SCRIPTS:-$(dirname "$0")}
+[[ -f $XMOE_SCRIPTS/slurm_requeue.sh ]] || XMOE_SCRIPTS=${SLURM_SUBMIT_DIR:-.}/scripts # sbatch runs a copy
+# shellcheck source=scripts/slurm_requeue.sh
+source "$XMOE_SCRIPTS/slurm_requeue.sh" # requeue on status 75; --resume after a requeue
+xmoe_resume_flag CMD
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "# environment"
   env | grep -E '^(NCCL_|FI_|HSA_|MIOPEN_|XLA_FLAGS|XMOE_)' | sort
   echo "# per node: srun --ntasks-per-node=1 mkdir -p $MIOPEN_USER_DB_PATH"
   echo "# launch: ${SRUN[*]} ${CMD[*]}"
+  echo "# exit status $XMOE_PREEMPTED (saved on a signal): scontrol requeue \$SLURM_JOB_ID; the requeued job adds --resume"
   gpus=$([[ $MODE == per-node ]] && echo $GCDS_PER_NODE || echo 1)
   exec "$PYTHON" "$(dirname "$0")/launch_plan.py" --nodelist "${SLURM_JOB_NODELIST:-frontier[00001-$(printf %05d "$NODES")]}" \
     --tasks-per-node "$TASKS_PER_NODE" --gpus-per-task "$gpus"
 fi
 srun -N "$NODES" --ntasks-per-node=1 mkdir -p "$MIOPEN_USER_DB_PATH"
-exec "${SRUN[@]}" "${CMD[@]}"
+xmoe_run_and_requeue "${SRUN[@]}" -- "${CMD[@]}"

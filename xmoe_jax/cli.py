@@ -7,8 +7,15 @@
     xmoe-eval --run-dir runs/mine [--step 200] [--set eval.holdout=0.01]
     xmoe-plot --run-dir runs/mine
 
-Errors in the input (config, data, run directory, checkpoint) print one line naming
-the problem and the fix, and exit with status 2 before anything is compiled.
+Exit status of `xmoe-train` (docs/reliability.md):
+    0   the run finished;
+    1   it failed: a non-finite loss under train.nan_policy=stop, another process of the job
+        died or failed (`xmoe_jax.peers`), or an unexpected error;
+    2   bad input, before anything compiled: config, data, run directory (a file, read-only,
+        or in use by another trainer), an incompatible checkpoint or none that restores intact;
+    75  stopped by a signal of train.stop_signals after saving a checkpoint (EX_TEMPFAIL):
+        run the same command with --resume (the SLURM scripts requeue the job).
+Errors print one line naming the problem and the fix.
 
 The launch flags (`add_cli_flags`) and the call that turns them into a started job
 (`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
@@ -21,6 +28,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 
 from xmoe_jax import distributed
 from xmoe_jax.config import ConfigError, load_config
@@ -63,6 +71,13 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         f"(env XMOE_INIT_TIMEOUT, default {distributed.DEFAULT_TIMEOUT_S})",
     )
     g.add_argument(
+        "--peer-timeout",
+        type=int,
+        metavar="S",
+        help="seconds after which a silent process counts as dead and the others stop "
+        f"(env XMOE_PEER_TIMEOUT, default {distributed.DEFAULT_PEER_TIMEOUT_S})",
+    )
+    g.add_argument(
         "--no-distributed",
         action="store_true",
         help="one process: ignore SLURM and XMOE_* launch variables (env XMOE_DISTRIBUTED=0)",
@@ -83,12 +98,17 @@ def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
         args.local_device_ids,
         args.init_timeout,
         auto=not off,
+        peer_timeout_s=getattr(args, "peer_timeout", None),
     )
 
 
-def _fail(err: Exception) -> int:
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _fail(err: Exception, code: int = EXIT_BAD_INPUT) -> int:
     print(f"error: {err}", file=sys.stderr)
-    return 2
+    return code
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -102,23 +122,44 @@ def train_main(argv: list[str] | None = None) -> int:
 
     apply_defaults()  # before anything starts JAX's backend
     _quiet_logging()
+    from xmoe_jax import peers
+    from xmoe_jax.train import preemption
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
+    from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         cfg = load_config(args.config, args.overrides)
         launch = initialize_from_args(args)  # before any other JAX use
-        distributed.quiet_unless_main(launch)
-        result = train(cfg, resume=args.resume)
-    except (ConfigError, CheckpointError, TrainingError) as err:
+    except ConfigError as err:  # DistributedError included
         return _fail(err)
-    last = result.records[-1] if result.records else {}
-    if launch.process_id == 0:
+    distributed.quiet_unless_main(launch)
+    watch = peers.watch(launch)  # several processes: stop when another dies
+    result, message = None, ""
+    try:
+        result = train(cfg, resume=args.resume)
+        code = 0
+    except Preempted:  # the loop logged where it saved
+        code = PREEMPTED_EXIT_CODE
+        preemption.ignore(cfg.train.stop_signals)
+    except (ConfigError, CheckpointError) as err:
+        code, message = _fail(err), str(err)
+    except TrainingError as err:
+        code, message = _fail(err, EXIT_FAILED), str(err)
+    except Exception as err:
+        if not launch.is_multi_process:
+            raise  # the traceback, status 1
+        traceback.print_exc()
+        watch.fail(f"{type(err).__name__}: {err}")  # tells the others, names silent peers, exits 1
+    watch.leave(code, message)  # every process ends here together: leave in order
+    distributed.shutdown()
+    if result is not None and launch.process_id == 0:
+        last = result.records[-1] if result.records else {}
         print(
             f"done: step {result.final_step}, loss {last.get('loss', float('nan')):.4f}, "
             f"run dir {cfg.train.run_dir}"
         )
-    return 0
+    return code
 
 
 def params_main(argv: list[str] | None = None) -> int:

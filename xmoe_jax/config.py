@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,6 +55,20 @@ class ConfigError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def stop_signal_names(text: str) -> list[str]:
+    """`train.stop_signals` ("SIGTERM,INT,...", "" = none) as signal names; ConfigError if one is not
+    a signal a process can catch."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
+    for n in names:
+        _check(
+            n in signal.Signals.__members__ and n not in ("SIGKILL", "SIGSTOP"),
+            f"train.stop_signals: {n} is not a signal a process can catch; list names such as "
+            "SIGTERM,SIGINT,SIGUSR1 (or '' for none)",
+        )
+    return names
 
 
 def _check_choices(obj: Any, prefix: str) -> None:
@@ -490,7 +505,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The loop: steps, global batch, sequence length, logging, NaN handling."""
+    """The loop: steps, global batch, sequence length, logging, NaN handling, stop signals."""
 
     steps: int = 100
     batch_size: int = 8  # global, in sequences
@@ -504,6 +519,7 @@ class TrainConfig:
     peak_tflops: float | None = None  # per device; None = look up by device kind
     tensorboard: bool = True  # event files under <run_dir>/tensorboard
     profile_steps: tuple[int, int] | None = None  # jax.profiler trace of steps [first, last]
+    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"  # finish the step, save, exit 75 (train/preemption.py)
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
@@ -521,6 +537,7 @@ class TrainConfig:
                 self.micro_batch_size >= 1 and self.batch_size % self.micro_batch_size == 0,
                 f"train.micro_batch_size={self.micro_batch_size} must divide train.batch_size={self.batch_size}",
             )
+        stop_signal_names(self.stop_signals)
         _check_choices(self, "train.")
 
 

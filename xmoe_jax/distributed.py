@@ -20,6 +20,12 @@ process whose `jax.distributed.initialize` is still waiting at the deadline (JAX
 abort with "another task died"). Errors are `DistributedError` (from `xmoe_jax.slurm`,
 re-exported here).
 
+After start-up: `share_from_main` and `gather_errors` agree on host-level decisions through
+the coordination service's key-value store (no devices, nothing compiled); `shutdown()` leaves
+in order (every process at JAX's shutdown barrier, then process 0 stops the service), so a
+finished run prints no coordination errors. `xmoe_jax.peers` watches for processes that die;
+JAX's own heartbeat timeout is set above its `peer_timeout_s` so that its message comes first.
+
 Dry runs: `python -m xmoe_jax.distributed` prints this process's plan (run it under srun to see
 every task's); `scripts/launch_plan.py --nodelist ... --tasks-per-node ...` models an srun launch.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -42,6 +49,9 @@ from xmoe_jax.slurm import DistributedError, parse_int  # DistributedError: re-e
 log = logging.getLogger("xmoe_jax")
 
 DEFAULT_TIMEOUT_S = 300  # JAX's default initialization_timeout
+DEFAULT_PEER_TIMEOUT_S = 60  # a silent peer is declared dead after this long (xmoe_jax.peers)
+JAX_HEARTBEAT_TIMEOUT_S = 100  # JAX's default
+SYNC_TIMEOUT_S = 600  # host-level agreement (gather_errors, share_from_main)
 WATCHDOG_EXIT_CODE = 2
 _FIX = (
     "check that process 0 is running on that host and listening on that port (firewall, wrong "
@@ -63,6 +73,7 @@ class LaunchPlan:
     devices: str  # how the local devices were chosen, in words
     init_timeout_s: int
     slurm: dict | None = None  # job, node, node_id, num_nodes, tasks_per_node, local_id
+    peer_timeout_s: int = DEFAULT_PEER_TIMEOUT_S  # xmoe_jax.peers: a silent peer is dead after this
 
     @property
     def is_multi_process(self) -> bool:
@@ -101,6 +112,7 @@ def resolve(
     *,
     env: Mapping[str, str] | None = None,
     auto: bool = True,
+    peer_timeout_s: int | None = None,
 ) -> LaunchPlan:
     """The launch plan for this process, without touching JAX. `auto=False`: no env / SLURM."""
     env = os.environ if env is None else env
@@ -108,6 +120,13 @@ def resolve(
         timeout_s if timeout_s is not None else env.get("XMOE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S),
         "init timeout (--init-timeout / XMOE_INIT_TIMEOUT)",
         1,
+    )
+    peer = parse_int(
+        peer_timeout_s
+        if peer_timeout_s is not None
+        else env.get("XMOE_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT_S),
+        "peer timeout (--peer-timeout / XMOE_PEER_TIMEOUT)",
+        2,
     )
     given = {
         "coordinator": coordinator,
@@ -134,7 +153,7 @@ def resolve(
     if n == 1:
         ids_t = _parse_ids(ids, "--local-device-ids")
         how = "all local devices" if ids_t is None else f"devices {list(ids_t)} (--local-device-ids)"
-        return LaunchPlan("single", 1, 0, None, ids_t, how, timeout, step and step["slurm"])
+        return LaunchPlan("single", 1, 0, None, ids_t, how, timeout, step and step["slurm"], peer)
     if pid is None:
         raise DistributedError(f"{n} processes but no process id; pass --process-id (or XMOE_PROCESS_ID)")
     pid = parse_int(pid, "process id (--process-id)", 0, n - 1)
@@ -149,7 +168,7 @@ def resolve(
         how = step["devices"]
     else:
         how = "all local devices" if ids_t is None else f"devices {list(ids_t)} (from {ids_src})"
-    return LaunchPlan(n_src, n, pid, addr, ids_t, how, timeout, step and step["slurm"])
+    return LaunchPlan(n_src, n, pid, addr, ids_t, how, timeout, step and step["slurm"], peer)
 
 
 def plan(*args, **kwargs) -> dict:
@@ -206,6 +225,7 @@ def initialize(
     timeout_s: int | None = None,
     *,
     auto: bool = True,
+    peer_timeout_s: int | None = None,
 ) -> LaunchPlan:
     """Resolves the launch and starts `jax.distributed` (a no-op for one process).
 
@@ -215,7 +235,15 @@ def initialize(
     deadline); call `jax.distributed.initialize` with everything explicit (JAX's own cluster
     detection off) under a watchdog that ends the process with a clear message at the deadline.
     """
-    p = resolve(coordinator, num_processes, process_id, local_device_ids, timeout_s, auto=auto)
+    p = resolve(
+        coordinator,
+        num_processes,
+        process_id,
+        local_device_ids,
+        timeout_s,
+        auto=auto,
+        peer_timeout_s=peer_timeout_s,
+    )
     import jax
     from jax._src import xla_bridge
 
@@ -254,6 +282,8 @@ def initialize(
                 local_device_ids=list(p.local_device_ids) if p.local_device_ids is not None else None,
                 cluster_detection_method="deactivate",  # everything is explicit; see module docstring
                 initialization_timeout=remaining + 30,  # the watchdog speaks first
+                # xmoe_jax.peers names a dead peer first; JAX's heartbeat is the backstop
+                heartbeat_timeout_seconds=max(JAX_HEARTBEAT_TIMEOUT_S, 2 * p.peer_timeout_s),
             )
     except Exception as e:  # JaxRuntimeError (e.g. "Failed to start RPC server") and friends
         hint = f"port {port} may be in use: pick another" if p.process_id == 0 else _FIX
@@ -271,6 +301,62 @@ def initialize(
             p.devices,
         )
     return p
+
+
+# ----------------------------------------------------------------------------- after start-up
+
+_uses = itertools.count()  # every process makes these calls in the same order: the n-th shares keys
+
+
+def coordination_client():
+    """JAX's coordination-service client, or None when `jax.distributed` is not running."""
+    from jax._src import distributed as jax_distributed  # no public handle on the client
+
+    return jax_distributed.global_state.client
+
+
+def share_from_main(name: str, value: str = "") -> str:
+    """Process 0's `value`, on every process (the others' `value` is ignored)."""
+    import jax
+
+    client = coordination_client()
+    if client is None:
+        return value
+    key = f"xmoe/share/{name}/{next(_uses)}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, SYNC_TIMEOUT_S * 1000)
+
+
+def all_gather_text(name: str, value: str) -> list[str]:
+    """Every process's `value`, in process order, on every process."""
+    import jax
+
+    client = coordination_client()
+    if client is None:
+        return [value]
+    use = next(_uses)
+    prefix = f"xmoe/gather/{name}/{use}/"
+    client.key_value_set(prefix + str(jax.process_index()), value)
+    client.wait_at_barrier(f"xmoe-gather-{name}-{use}", SYNC_TIMEOUT_S * 1000)
+    values = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(prefix)}
+    return [values[i] for i in range(jax.process_count())]
+
+
+def gather_errors(name: str, error: str) -> dict[int, str]:
+    """Process id -> `error` of every process whose `error` is not empty, on every process.
+    Doubles as a barrier: it returns once every process has called it."""
+    return {i: e for i, e in enumerate(all_gather_text(name, error)) if e}
+
+
+def shutdown() -> None:
+    """Leaves `jax.distributed` in order: each process waits at JAX's shutdown barrier until all
+    have arrived, then process 0 stops the coordination service. A no-op for one process."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
 
 
 # ----------------------------------------------------------------------------- logging
@@ -295,7 +381,8 @@ def format_plan(plans: Sequence[dict]) -> str:
     first = plans[0]
     lines = [
         f"launch plan: {first['num_processes']} process(es), source {first['source']}, "
-        f"coordinator {first['coordinator']}, init timeout {first['init_timeout_s']} s"
+        f"coordinator {first['coordinator']}, init timeout {first['init_timeout_s']} s, "
+        f"peer timeout {first['peer_timeout_s']} s"
     ]
     for p in plans:
         s = p["slurm"] or {}

@@ -32,12 +32,13 @@ whole receive buffer per peer, so (P-1) x M rows leave each device whatever the 
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from xmoe_jax import xla_flags
 
 
 class Plan(NamedTuple):
@@ -83,15 +84,15 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
 
 
 def resolve_transport(transport: str) -> str:
-    """`auto` -> `bucketed` on GPU (the fastest measured: benchmarks/exchange.md), else `emulated`."""
-    if transport != "auto":
-        return transport
-    return "bucketed" if jax.default_backend() in ("gpu", "cuda", "rocm") else "emulated"
+    """`auto` -> `bucketed` on GPU (the fastest measured: benchmarks/exchange.md), else `emulated`;
+    an explicit `ragged` warns when the XLA flags it relies on did not take effect
+    (`xla_flags.transport_for`)."""
+    return xla_flags.transport_for(transport, jax.default_backend())
 
 
 def ragged_is_decomposed() -> bool:
-    """Whether XLA rewrites ragged_all_to_all into a dense all-to-all (the decomposer preset)."""
-    return "ragged_all_to_all_decomposer=true" in os.environ.get("XLA_FLAGS", "")
+    """Whether XLA rewrites ragged_all_to_all into a dense all-to-all (the decomposer preset in effect)."""
+    return xla_flags.effective_preset() == "decomposer"
 
 
 def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:

@@ -1,6 +1,6 @@
 """Checkpoints: a thin wrapper over `orbax.checkpoint.CheckpointManager`.
 
-Each step directory holds three items:
+Each step directory holds four items:
 
 * ``state``  -- the train-state pytree (`StandardSave`): jax.Arrays, possibly sharded over a
   Mesh, plus python / numpy scalars. Restore reshards onto whatever target sharding the caller
@@ -11,6 +11,14 @@ Each step directory holds three items:
   batch per step: as if the run had used this layout from step 1) and a warning is logged.
 * ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`: a resume is
   refused only when the model config makes different parameters.
+* ``manifest`` -- fingerprints of the state's values, checksums of the config and of every
+  process's data position (`xmoe_jax.train.integrity`); committed atomically with the rest.
+
+Resuming (`resume_candidates`, then `restore_first_intact`) takes the newest step that reads back
+and matches its manifest. Temporary folders of interrupted saves are moved aside at once; a
+damaged step is moved aside once an older step has restored, and if none restores the run stops
+with a message naming each step's problem, moving nothing. Every process reaches the same
+decision (process 0 decides; the coordination service carries it).
 
 RNG keys: store `jax.random.key_data(key)` (a uint32 array) in the state and rebuild the key with
 `jax.random.wrap_key_data` after restore; typed key arrays are not plain arrays to orbax.
@@ -33,6 +41,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from xmoe_jax import distributed
 from xmoe_jax.config import (
     CheckpointConfig,
     Config,
@@ -42,8 +51,11 @@ from xmoe_jax.config import (
     migrate_dict,
     to_dict,
 )
+from xmoe_jax.train import integrity
+from xmoe_jax.train.integrity import IntegrityError
+from xmoe_jax.train.integrity import path_str as _path_str
 
-_ITEMS = ("state", "data", "config")
+_ITEMS = ("state", "data", "config", "manifest")
 log = logging.getLogger("xmoe_jax")
 
 
@@ -51,19 +63,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved, found or restored; the message names the problem and the fix."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint step exists but does not read back as it was written."""
+
+    def __init__(self, step: int, directory: Path, reason: str):
+        self.step, self.reason = step, reason
+        super().__init__(f"checkpoint step {step} in {directory} {reason}")
+
+
+def _first_line(e: Exception, limit: int = 300) -> str:
+    """An exception in one short line (tensorstore errors carry a whole spec)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text.split(" See full TensorStore details")[0]
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
 # ----------------------------------------------------------------------------- helpers
-
-
-def _key_str(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _path_str(path: tuple) -> str:
-    """Container-agnostic path: a NamedTuple field and the dict key orbax stores it under agree."""
-    return "/".join(_key_str(e) for e in path) or "<root>"
 
 
 def _leaf_shapes(tree: Any, is_leaf: Any = None) -> dict[str, tuple[int, ...]]:
@@ -172,6 +187,7 @@ class Checkpointer:
             enable_async_checkpointing=ckpt_cfg.async_save,
             create=True,
         )
+        self._damaged: dict[int, str] = {}  # step -> why it cannot be restored (resume)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -180,6 +196,7 @@ class Checkpointer:
                 "state": ocp.StandardCheckpointHandler(),
                 "data": grain.checkpoint.CheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler(),
+                "manifest": ocp.JsonCheckpointHandler(),
             },
         )
 
@@ -270,6 +287,11 @@ class Checkpointer:
                 f"checkpoint step {step} already exists in {self.directory}; orbax never overwrites a "
                 "step: delete that step directory by hand or save under a new train.run_dir"
             )
+        data_digests = None
+        if data_iter is not None:  # every process's position, in process order
+            data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
+        manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
+        items["manifest"] = ocp.args.JsonSave(manifest)
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
 
     # -- restore
@@ -320,7 +342,8 @@ class Checkpointer:
         `abstract_state` mirrors the saved state with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         leaves (python / numpy scalars may stand for themselves). The target shardings may differ from
         the saved ones (another mesh, a single device). `data_iter`, if given, is moved in place to the
-        saved position. Raises `CheckpointError` if there is no checkpoint or the layout differs.
+        saved position. Raises `CheckpointError` if there is no checkpoint or the layout differs, and
+        `DamagedCheckpointError` if orbax cannot read the step or it differs from its manifest.
         """
         step = self._resolve_step(step)
         saved = self._saved_items(step)
@@ -339,13 +362,17 @@ class Checkpointer:
             restart_data = saved_count is not None and saved_count != jax.process_count()
             if not restart_data:
                 items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+        items.update({name: ocp.args.JsonRestore() for name in ("config", "manifest") if name in saved})
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # surface one error type with the step and directory
-            raise CheckpointError(
-                f"restoring checkpoint step {step} from {self.directory} failed: {type(e).__name__}: {e}; "
-                "check that abstract_state matches the saved state (same model config)"
+            raise DamagedCheckpointError(
+                step,
+                self.directory,
+                f"cannot be read ({_first_line(e)}): it is damaged, or abstract_state does not match it "
+                "(another model config)",
             ) from e
+        self._verify(step, restored, None if restart_data else data_iter)
         if restart_data:
             _advance(data_iter, step)
             log.warning(
@@ -360,6 +387,121 @@ class Checkpointer:
                 jax.process_count(),
             )
         return restored["state"]
+
+    def _verify(self, step: int, restored: Any, data_iter: Any) -> None:
+        """Checks what was restored against the step's manifest (`integrity`)."""
+        if "manifest" not in restored:
+            log.warning(
+                "checkpoint step %d has no integrity manifest (an older xmoe_jax wrote it): unverified", step
+            )
+            return
+        try:  # every process runs the same checks in the same order (the state check is collective)
+            body = integrity.check_manifest(restored["manifest"], step)
+            integrity.check_state(body, restored["state"])
+            if "config" in restored:
+                integrity.check_config(body, restored["config"])
+            if data_iter is not None:
+                integrity.check_data(body, data_iter.get_state(), jax.process_index())
+        except IntegrityError as e:
+            raise DamagedCheckpointError(step, self.directory, f"is damaged: {e}") from e
+
+    # -- resume: the newest intact step
+
+    def _quick_check(self, step: int, manifest_expected: bool) -> None:
+        """What can be checked without the arrays: metadata, manifest, config (raises if damaged)."""
+        saved = self._saved_items(step)
+        if "state" not in saved:
+            raise IntegrityError("it has no state item")
+        if "manifest" not in saved:
+            if manifest_expected:  # an older step has one, so this version wrote this step too
+                raise IntegrityError("its manifest is missing")
+            return  # written before manifests existed: `restore` says it is unverified
+        try:  # read directly: orbax's restore is collective, and only process 0 runs this
+            manifest, config = (
+                json.loads((self.directory / str(step) / name / "metadata").read_text())
+                if name in saved
+                else None
+                for name in ("manifest", "config")
+            )
+        except (OSError, ValueError) as e:
+            raise IntegrityError(f"its manifest or config cannot be read ({_first_line(e)})") from e
+        body = integrity.check_manifest(manifest, step)
+        if config is not None:
+            integrity.check_config(body, config)
+
+    def resume_candidates(self) -> list[int]:
+        """Steps to resume from, newest first: those whose metadata, manifest and config check out.
+
+        Moves the temporary folders of interrupted saves aside first. Steps that fail are logged and
+        kept until an older one restores (`restore_first_intact`). Process 0 decides; every process
+        gets the same list. Raises `CheckpointError` if steps exist but none checks out.
+        """
+        verdict = ""
+        if jax.process_index() == 0:
+            for path in integrity.partial_saves(self.directory):
+                integrity.reject(self.directory, path.name, "is an interrupted save that never completed")
+            good, bad = [], {}
+            steps = self.all_steps()
+            with_manifest = [(self.directory / str(s) / "manifest").is_dir() for s in steps]
+            for i in reversed(range(len(steps))):
+                step = steps[i]
+                try:
+                    self._quick_check(step, manifest_expected=any(with_manifest[:i]))
+                    good.append(step)
+                except (CheckpointError, IntegrityError) as e:
+                    bad[step] = f"is damaged: {e}"
+                    log.warning("checkpoint step %d in %s %s", step, self.directory, bad[step])
+            verdict = json.dumps({"good": good, "bad": bad})
+        shared = json.loads(distributed.share_from_main("resume-candidates", verdict))
+        self._reload_after_main()
+        self._damaged = {int(k): v for k, v in shared["bad"].items()}
+        if not shared["good"] and self._damaged:
+            raise CheckpointError(self._nothing_intact())
+        return shared["good"]
+
+    def restore_first_intact(
+        self, abstract_state: Any, data_iter: Any, candidates: list[int]
+    ) -> tuple[int, Any]:
+        """(step, state) of the first of `candidates` that restores and matches its manifest.
+
+        Once one has, the newer steps that did not are moved aside (process 0), and every process
+        reloads its step list. If none does, raises `CheckpointError` naming each step's problem.
+        """
+        for step in candidates:
+            error, state = "", None
+            try:
+                state = self.restore(abstract_state, data_iter, step)
+            except DamagedCheckpointError as e:
+                error = e.reason
+            errors = distributed.gather_errors("restore", error)
+            if not errors:
+                if jax.process_index() == 0:
+                    for newer in sorted(s for s in self.all_steps() if s > step):
+                        integrity.reject(self.directory, str(newer), self._damaged.get(newer, "damaged"))
+                self._reload_after_main()
+                return step, state
+            reasons = set(errors.values())
+            self._damaged[step] = (
+                reasons.pop()
+                if len(reasons) == 1
+                else "; ".join(f"process {i}: {e}" for i, e in errors.items())
+            )
+            log.warning(
+                "checkpoint step %d in %s %s; trying an older step", step, self.directory, self._damaged[step]
+            )
+        raise CheckpointError(self._nothing_intact())
+
+    def _reload_after_main(self) -> None:
+        distributed.gather_errors("checkpoint-reload", "")  # a barrier: process 0 has moved things
+        self._manager.reload()
+
+    def _nothing_intact(self) -> str:
+        problems = "; ".join(f"step {s} {why}" for s, why in sorted(self._damaged.items(), reverse=True))
+        return (
+            f"no checkpoint in {self.directory} restores intact ({problems}). Nothing was moved or deleted. "
+            "Put back an intact copy of a step folder, move the damaged step folders out of that directory "
+            "to resume from an older step, or start over in a new train.run_dir"
+        )
 
     def data_process_count(self, step: int) -> int | None:
         """How many processes wrote the data position at `step` (None if unknown)."""

@@ -4,6 +4,12 @@ Everything that can be wrong with the input (config, devices, data file, run
 directory, checkpoint) is checked before anything is compiled. A run directory
 that already holds a run is never written over: continue it with `resume=True`
 or choose a new `train.run_dir`.
+
+Reliability (docs/reliability.md) enters at marked places: the run directory's
+checks and lock, and the metrics trimmed to the resumed step (`rundir`); the resume
+from the newest intact checkpoint (`Checkpointer.resume_candidates` /
+`restore_first_intact`); the stop on a signal after a step every process agrees on
+(`preemption`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.model import functional as fmodel
-from xmoe_jax.train import layout
+from xmoe_jax.train import layout, rundir
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
@@ -36,6 +42,7 @@ from xmoe_jax.train.metrics import (
     peak_tflops,
 )
 from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
 
@@ -52,11 +59,11 @@ class TrainResult:
     first_step_s: float | None = None  # wall time of the first step, compilation included
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> int | None:
-    """Returns the step to resume from (None = fresh); refuses to overwrite a run."""
+def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> list[int]:
+    """Returns the steps to resume from, newest first ([] = fresh); refuses to overwrite a run."""
+    if resume:  # reliability: only steps whose metadata and manifest check out
+        return ckpt.resume_candidates() if ckpt is not None else []
     latest = ckpt.latest_step() if ckpt is not None else None
-    if resume:
-        return latest
     if latest is not None:
         raise ConfigError(
             f"{run_dir} already holds a run (checkpoint at step {latest}); pass --resume to continue "
@@ -67,7 +74,7 @@ def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> 
             f"{run_dir} already holds metrics.jsonl from another run; set train.run_dir to a new "
             "directory (or pass --resume to append)"
         )
-    return None
+    return []
 
 
 def _global_batch(local: dict, shard) -> dict:
@@ -90,9 +97,19 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         holdout=cfg.eval.holdout,
     )
     eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
+    lock = rundir.claim(run_dir, process_index == 0)  # reliability: writable, one writer at a time
+    try:
+        return _start(cfg, run_dir, data_iter, resume, eval_data)
+    finally:
+        lock.release()
+
+
+def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> TrainResult:
+    num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
-    start = _prepare_run_dir(run_dir, resume, ckpt)
+    candidates = _prepare_run_dir(run_dir, resume, ckpt)
+    start = candidates[0] if candidates else None
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
     if start is not None and start >= cfg.train.steps:
@@ -108,37 +125,42 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        return _run(cfg, mesh, ckpt, start, data_iter, run_dir, is_main, eval_data)
+    with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
+        return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main, stop, eval_data)
 
 
-def _restore(
-    ckpt: Checkpointer, abstract: TrainState, shardings: TrainState, data_iter, step: int, cfg: Config
-):
-    """The train state at `step`; a checkpoint of the per-layer layout is read into the layer stacks."""
-    if not layout.is_per_layer(ckpt.saved_state_paths(step)):
-        return TrainState.from_dict(ckpt.restore(abstract.as_dict(), data_iter, step))
+def _restore(ckpt: Checkpointer, abstract: TrainState, shardings: TrainState, data_iter, candidates, cfg):
+    """(step, state): the newest candidate step that restores intact (reliability: damaged newer ones
+    are moved aside); a checkpoint of the per-layer layout is read into the layer stacks."""
     num_dense = cfg.model.num_dense_layers
-    restored = ckpt.restore(layout.per_layer_target(abstract.as_dict(), num_dense), data_iter, step)
+    if not layout.is_per_layer(ckpt.saved_state_paths(candidates[0])):
+        step, tree = ckpt.restore_first_intact(abstract.as_dict(), data_iter, candidates)
+        return step, TrainState.from_dict(tree)
+    target = layout.per_layer_target(abstract.as_dict(), num_dense)
+    step, tree = ckpt.restore_first_intact(target, data_iter, candidates)
     log.info(
         "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore", step
     )
-    stacked = TrainState.from_dict(layout.stack_per_layer(restored, num_dense))
-    return jax.device_put(stacked, shardings)
+    return step, jax.device_put(TrainState.from_dict(layout.stack_per_layer(tree, num_dense)), shardings)
 
 
 def _run(
-    cfg: Config, mesh, ckpt, start, data_iter, run_dir: Path, is_main: bool, eval_data=None
+    cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool, stop, eval_data=None
 ) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
-    if start is None:
+    start = None
+    if not candidates:
         state = init_state(spec, optimizer, cfg, mesh, shardings)
     else:
-        state = _restore(ckpt, abstract_state(spec, optimizer, shardings), shardings, data_iter, start, cfg)
+        start, state = _restore(
+            ckpt, abstract_state(spec, optimizer, shardings), shardings, data_iter, candidates, cfg
+        )
         log.info("resumed from %s at step %d", ckpt_dir, start)
+    if is_main:  # reliability: records of steps a kill lost (they run again) move aside
+        rundir.trim_metrics(run_dir, start or 0)
     step_fn = AdaptiveStep(cfg, optimizer, mesh, shardings)
     ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
@@ -234,6 +256,12 @@ def _run(
                     check(*pending)
                     pending = None
                 ckpt.save(step, state.as_dict(), data_iter, cfg, force=final)
+            if step < cfg.train.steps and stop.stop_now(step):  # reliability: the same step everywhere
+                if pending is not None:
+                    check(*pending)
+                raise stop.stop(
+                    step, ckpt if cfg.checkpoint.enabled else None, state.as_dict(), data_iter, cfg
+                )
         if pending is not None:
             check(*pending)
     finally:

@@ -1,0 +1,102 @@
+"""Stop signals: the trainer finishes the step in flight, saves it, exits with status 75, and the
+resumed run's losses equal an uninterrupted run's, bitwise (CPU, 8 fake devices, the tiny model).
+
+One uninterrupted run in this process is the reference; the interrupted runs are the real CLI in
+subprocesses (SIGTERM, twice) and `train()` in this process (SIGINT from a helper thread).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from clirun import REPO, STEPS, Cli, args, env, losses, tiny_config
+
+from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.train.loop import train
+from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+
+def test_sigterm_saves_the_step_in_flight_exits_75_and_resumes_exactly(
+    tmp_path, tiny_reference, compile_cache
+):
+    run = tmp_path / "run"
+    first = Cli(args(run), env(8, compile_cache), tmp_path, "first")
+    first.wait_for_step(5)
+    first.signal(signal.SIGTERM)
+    first.wait_until(lambda: "received SIGTERM:" in first.err, 60, "the first signal handled", poll=0.005)
+    first.signal(signal.SIGTERM)  # a second signal, during the step or the save, changes nothing
+    assert first.wait(120) == PREEMPTED_EXIT_CODE, first.err
+    stopped = re.search(
+        r"stopped by SIGTERM after step (\d+): checkpoint step (\d+) saved in (\S+);", first.err
+    )
+    assert stopped and stopped.group(1) == stopped.group(2), first.err
+    step = int(stopped.group(1))
+    assert 5 <= step < STEPS and "--resume" in first.err and "received SIGTERM again" in first.err
+    assert (run / "checkpoints" / str(step)).is_dir()
+    assert "done:" not in first.out
+
+    second = Cli([*args(run), "--resume"], env(8, compile_cache), tmp_path, "second")
+    assert second.wait(120) == 0, second.err
+    assert f"resumed from {run / 'checkpoints'} at step {step}" in second.err
+    assert losses(run) == tiny_reference[1]  # every step once, bitwise equal
+
+
+def test_sigint_in_process_raises_preempted_and_resumes_exactly(tmp_path, tiny_reference):
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+
+    def interrupt_after_step_three() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    helper = threading.Thread(target=interrupt_after_step_three, daemon=True)
+    helper.start()
+    with pytest.raises(Preempted) as stopped:
+        train(tiny_config(run))
+    helper.join()
+    step = stopped.value.step
+    assert stopped.value.signal_name == "SIGINT" and stopped.value.saved_step == step and 3 <= step < STEPS
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    resumed = train(tiny_config(run), resume=True)
+    assert sorted(resumed.losses) == list(range(step + 1, STEPS + 1))
+    assert losses(run) == tiny_reference[1]
+
+
+def test_stop_signals_are_validated():
+    with pytest.raises(ConfigError, match="train.stop_signals: SIGKILL"):
+        load_config(None, ["train.stop_signals=TERM,KILL"])
+    assert load_config(None, ["train.stop_signals=''"]).train.stop_signals == ""
+
+
+def test_slurm_wrapper_passes_sigterm_on_requeues_on_75_and_resumes(tmp_path):
+    """scripts/slurm_requeue.sh with a stand-in srun step (bash) and scontrol (records its call)."""
+    (tmp_path / "scontrol").write_text(f'#!/bin/bash\necho "$*" > {tmp_path}/scontrol.log\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "set -euo pipefail\n"
+        f"source {REPO / 'scripts' / 'slurm_requeue.sh'}\n"
+        'CMD=(bash -c \'echo "$*" > args.log; trap "exit 75" TERM; sleep 60 & wait\' step)\n'
+        "xmoe_resume_flag CMD\n"
+        'xmoe_run_and_requeue env -- "${CMD[@]}"\n'
+    )
+    environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env={**environ, "SLURM_RESTART_COUNT": "1"})
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "args.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the shell's traps are set before srun starts
+    job.send_signal(signal.SIGTERM)  # scancel / --signal=B:TERM reach the batch shell
+    assert job.wait(timeout=30) == PREEMPTED_EXIT_CODE
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "42"]
+    assert (tmp_path / "args.log").read_text().split() == ["--resume"]  # a requeued job resumes

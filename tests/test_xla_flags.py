@@ -1,0 +1,89 @@
+"""XLA flag defaults: applied before JAX starts (the CLI), one clear warning when applied too late,
+and a transport choice that reads the flags the running backend started with."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xmoe_jax import xla_flags
+
+DECOMPOSER = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(xla_flags, "_warned", set())
+    monkeypatch.delenv("XMOE_RAGGED_A2A", raising=False)
+
+
+def test_effective_preset_reads_the_flags():
+    assert xla_flags.effective_preset(DECOMPOSER) == "decomposer"
+    assert xla_flags.effective_preset(DECOMPOSER.replace("=true", "=True")) == "decomposer"
+    assert (
+        xla_flags.effective_preset("--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer")
+        == "decomposer"
+    )
+    assert xla_flags.effective_preset(DECOMPOSER.replace("true", "false")) == "default"
+    assert xla_flags.effective_preset("") == "default"
+
+
+def test_transport_follows_what_took_effect(caplog):
+    assert xla_flags.transport_for("auto", "cpu") == "emulated"
+    with caplog.at_level(logging.WARNING, "xmoe_jax"):
+        # auto is the bucketed dense all-to-all on GPU: no XLA flag involved, nothing to warn about
+        assert xla_flags.transport_for("auto", "gpu", flags="") == "bucketed"
+        assert xla_flags.transport_for("auto", "cuda", flags=DECOMPOSER) == "bucketed"
+        assert xla_flags.transport_for("ragged", "gpu", flags=DECOMPOSER) == "ragged"
+        assert not caplog.records
+        assert xla_flags.transport_for("ragged", "gpu", flags="") == "ragged"  # the flag did not apply: warn
+        assert xla_flags.transport_for("ragged", "cuda", flags="") == "ragged"  # once
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert DECOMPOSER in warnings[0] and "runs XLA's 'default' ragged all-to-all kernel" in warnings[0]
+    assert "apply_defaults() before" in warnings[0] and "export XLA_FLAGS=" in warnings[0]
+
+
+def test_default_preset_chosen_on_purpose_keeps_ragged_quiet(monkeypatch, caplog):
+    monkeypatch.setenv("XMOE_RAGGED_A2A", "default")
+    with caplog.at_level(logging.WARNING, "xmoe_jax"):
+        assert xla_flags.transport_for("ragged", "gpu", flags="") == "ragged"
+    assert not caplog.records
+
+
+def test_late_apply_warns_once_naming_the_flag(monkeypatch, caplog):
+    monkeypatch.setattr(xla_flags, "_backend_started", lambda: True)
+    monkeypatch.setattr(xla_flags, "_flags_at_start", None)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.WARNING, "xmoe_jax"):
+        xla_flags.apply_defaults()
+        xla_flags.apply_defaults()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"XLA flag {DECOMPOSER} does not take effect in this process" in warning
+    assert "apply_defaults() before anything starts JAX's backend" in warning
+    assert DECOMPOSER in os.environ["XLA_FLAGS"]  # still added, for child processes
+    assert xla_flags.effective_preset() == "default"  # but the running backend has not got it
+
+
+def test_flags_applied_before_jax_starts_take_effect():
+    code = (
+        "import os; from xmoe_jax.xla_flags import apply_defaults, effective_preset; apply_defaults(); "
+        "import jax; jax.devices(); print(effective_preset(), flush=True)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XMOE_RAGGED_A2A")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "decomposer" and "does not take effect" not in out.stderr

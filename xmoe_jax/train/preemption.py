@@ -1,0 +1,132 @@
+"""Preemption: on a stop signal, finish the step in flight, save, and exit with status 75.
+
+Clusters end jobs with a signal and kill them a little later (SLURM: SIGTERM, or the signal
+chosen with `--signal`, then SIGKILL after KillWait). The signals named in `train.stop_signals`
+(default SIGTERM, SIGINT, SIGUSR1) become an orderly stop:
+  1. the handler only records the signal; a second one during the stop is logged and changes
+     nothing, so it cannot interrupt the save;
+  2. after each step the loop asks `StopSignals.stop_now(step)`. With several processes the
+     answer is a collective: the maximum of every process's flag, computed on device right after
+     step s and read after step s + 1 (when the loop waits for that step's metrics anyway), so
+     every process stops after the same step even if only one was signalled, and no step waits
+     for the decision;
+  3. the loop then saves that step synchronously (model, optimizer state, router biases, data
+     position, RNG; unless its regular save is already under way), waits for it, logs one line
+     naming the step and how to resume, and raises `Preempted`; `xmoe-train` exits with
+     `PREEMPTED_EXIT_CODE`, which the SLURM scripts answer with a requeue.
+JAX's own preemption sync (`multihost_utils.reached_preemption_sync_point`) is not used: it hears
+SIGTERM only and needs `jax.distributed`; the collective above covers any signal and one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from xmoe_jax.config import stop_signal_names
+
+log = logging.getLogger("xmoe_jax")
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): stopped on request, saved; run again to continue
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after `step`; `saved_step` is the checkpoint to resume from."""
+
+    def __init__(self, signal_name: str, step: int, saved_step: int | None, checkpoint_dir: Path):
+        self.signal_name, self.step, self.saved_step = signal_name, step, saved_step
+        if saved_step is None:
+            where = "nothing saved (checkpoint.enabled=false): a new run starts from step 0"
+        else:
+            where = f"checkpoint step {saved_step} saved in {checkpoint_dir}; continue with --resume"
+        super().__init__(
+            f"stopped by {signal_name} after step {step}: {where} (exit status {PREEMPTED_EXIT_CODE})"
+        )
+
+
+def ignore(names: str) -> None:
+    """Ignores the stop signals from now on: after a stop, a late one must not turn status 75 into
+    death by signal (the CLI calls this once `train` has raised `Preempted`)."""
+    for name in stop_signal_names(names):
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
+
+
+class StopSignals:
+    """Turns the signals of `train.stop_signals` into a stop after a step every process agrees on.
+
+    Use as a context manager around the loop: it installs the handlers (from the main thread only;
+    elsewhere it logs that signals keep their default action) and restores the previous ones.
+    """
+
+    def __init__(self, names: str, mesh: Mesh):
+        self.signals = [signal.Signals[n] for n in stop_signal_names(names)]
+        self.received: str | None = None
+        self.stopping = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._multi = jax.process_count() > 1
+        if self._multi:
+            self._mesh = mesh
+            self._flags = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+            self._any = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+            self._decision: jax.Array | None = None  # the collective dispatched after the last step
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            if self.signals:
+                log.info("train() runs outside the main thread: %s keep their default action", self.signals)
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            log.warning("received %s: finishing the step in flight, then saving and stopping", name)
+        else:
+            log.warning(
+                "received %s again: already stopping (%s)%s; a SIGKILL now leaves the previous checkpoint "
+                "as the resume point",
+                name,
+                self.received,
+                ", the checkpoint is being written" if self.stopping else "",
+            )
+
+    def stop_now(self, step: int) -> bool:
+        """Whether to stop after `step`; the same answer on every process (call after every step)."""
+        if not self._multi:
+            return self.received is not None
+        flag = np.int32(self.received is not None)
+        size = self._mesh.size
+        flags = jax.make_array_from_callback(
+            (size,), self._flags, lambda index: np.full(len(range(*index[0].indices(size))), flag)
+        )
+        previous, self._decision = self._decision, self._any(flags)
+        return previous is not None and bool(previous)
+
+    def stop(self, step: int, ckpt: Any, state: dict, data_iter: Any, cfg: Any) -> Preempted:
+        """Saves `step` synchronously (`ckpt` None: nothing to save) and returns the exception to raise."""
+        self.stopping = True
+        saved = None
+        if ckpt is not None:
+            if step not in ckpt.all_steps():  # else its regular save is already under way
+                ckpt.save(step, state, data_iter, cfg, force=True)
+            ckpt.wait()
+            saved = step
+        stopped = Preempted(self.received or "a peer's signal", step, saved, getattr(ckpt, "directory", None))
+        log.warning("%s", stopped)
+        return stopped

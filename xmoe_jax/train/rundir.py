@@ -1,0 +1,230 @@
+"""The run directory: writable, one writer at a time, and a metrics file that matches the resume.
+
+`claim(run_dir)` runs before anything compiles:
+  1. the directory must be a directory we can write (a file, or a read-only or forbidden
+     path, is a `ConfigError` naming the path and the fix);
+  2. process 0 takes the lock `<run_dir>/run.lock` (created with O_EXCL; it holds the
+     holder's host, pid, process start time and SLURM job) and refreshes its time stamp
+     every `REFRESH_S` seconds from a daemon thread; every process learns the outcome.
+A lock is stale, and is taken over with a warning, when its holder is provably gone: on this
+host its pid no longer runs (or runs another program: the start time differs); on another
+host, it belongs to an earlier run of this same SLURM job (a requeue), or it has not been
+refreshed for `STALE_AFTER_S` seconds. Otherwise the second trainer stops, naming the holder.
+
+`trim_metrics(run_dir, step)`: on resume, the records after the restored step (steps a hard
+kill lost, which the run now recomputes) move to `metrics.discarded.jsonl`, so
+`metrics.jsonl` keeps one record per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from xmoe_jax import distributed
+from xmoe_jax.config import ConfigError
+
+log = logging.getLogger("xmoe_jax")
+
+LOCK_NAME = "run.lock"
+REFRESH_S = 30.0
+STALE_AFTER_S = 300.0
+DISCARDED_METRICS = "metrics.discarded.jsonl"
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_writable(run_dir: Path) -> None:
+    """Creates `run_dir` if needed and proves it writable; a `ConfigError` names what is wrong."""
+    fix = "set train.run_dir to a writable directory"
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"train.run_dir={run_dir}: {parent} is a file, not a directory; {fix}")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test.{socket.gethostname()}.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={run_dir} is not writable ({e.strerror or e}); {fix}") from e
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 counted from the pid
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _me() -> dict:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_time": _start_time(os.getpid()),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "command": " ".join(sys.argv)[:300],
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _stale_reason(holder: dict, age_s: float) -> str | None:
+    """Why the lock's holder is provably gone, or None if it may still run."""
+    me = _me()
+    if holder.get("host") == me["host"]:
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or not _pid_alive(pid):
+            return f"its process {pid} no longer runs"
+        started = _start_time(pid)
+        if holder.get("start_time") and started and started != holder["start_time"]:
+            return f"pid {pid} now belongs to another process"
+        return None
+    if me["slurm_job"] and holder.get("slurm_job") == me["slurm_job"]:
+        if int(holder.get("slurm_restart") or 0) < me["slurm_restart"]:
+            return "it belongs to an earlier run of this SLURM job (requeued)"
+    if age_s > STALE_AFTER_S:
+        return f"its holder on {holder.get('host')} has not refreshed it for {age_s:.0f} s"
+    return None
+
+
+def _describe(holder: dict, age_s: float) -> str:
+    job = f", SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')}{job}, running since {holder.get('since')} "
+        f"({holder.get('command', '?')!r}); lock refreshed {age_s:.0f} s ago"
+    )
+
+
+class RunLock:
+    """`<run_dir>/run.lock`, held while this process trains in `run_dir` (see the module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._held = False
+
+    def acquire(self) -> None:
+        """Takes the lock or raises `ConfigError` naming its holder."""
+        for _ in range(3):  # a takeover races at most with other takeovers
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(_me(), f)
+            self._held = True
+            self._thread = threading.Thread(target=self._refresh, name="xmoe-run-lock", daemon=True)
+            self._thread.start()
+            return
+        raise ConfigError(f"could not take the run directory lock {self.path}; try again")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            holder = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released meanwhile: try again
+        except (OSError, ValueError):
+            holder, age = {}, time.time() - self.path.stat().st_mtime  # half-written: judge by age
+        reason = _stale_reason(holder, age) if holder else ("unreadable" if age > 10 else None)
+        if reason is None:
+            raise ConfigError(
+                f"{self.path.parent} is in use by another trainer: {_describe(holder, age)}. Wait for it "
+                f"to finish, stop it, or set train.run_dir to another directory; if that process is gone "
+                f"(for example its node failed), remove {self.path}"
+            )
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):  # another process took it over first
+            os.replace(self.path, aside)
+            aside.unlink()
+            log.warning("took over the run directory lock %s: %s", self.path, reason)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        self._held = False
+
+
+def claim(run_dir: Path, is_main: bool) -> RunLock:
+    """Checks `run_dir` on every process and takes its lock on process 0; if any of that fails,
+    every process raises a `ConfigError` naming it. Release the returned lock when the run ends."""
+    lock = RunLock(run_dir)
+    error = ""
+    try:
+        check_writable(run_dir)
+        if is_main:
+            lock.acquire()
+    except ConfigError as e:
+        error = str(e)
+    errors = distributed.gather_errors("run-dir", error)
+    if errors:
+        lock.release()
+        raise ConfigError(error or "; ".join(f"process {i}: {e}" for i, e in sorted(errors.items())))
+    return lock
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Moves the records of `metrics.jsonl` after `step` (and a torn last line) aside."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep, drop = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            after = not line.endswith("\n") or json.loads(line)["step"] > step
+        except (ValueError, KeyError, TypeError):
+            after = True
+        (drop if after else keep).append(line)
+    if not drop:
+        return
+    with (path.parent / DISCARDED_METRICS).open("a") as f:
+        f.writelines(x if x.endswith("\n") else x + "\n" for x in drop)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    log.warning(
+        "metrics.jsonl: %d record(s) after step %d (steps lost when the run was stopped; they run again) "
+        "moved to %s",
+        len(drop),
+        step,
+        path.parent / DISCARDED_METRICS,
+    )
