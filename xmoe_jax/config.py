@@ -31,6 +31,7 @@ DataSource = Literal["synthetic", "text"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
 NanPolicy = Literal["stop", "skip"]
+QKNorm = Literal["none", "head", "full"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
@@ -214,6 +215,12 @@ class ModelConfig:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # attention variants of published models (HuggingFace import/export): bias on the q/k/v
+    # projections (Qwen2); RMSNorm on q and k before RoPE, per head over K (Qwen3) or over the
+    # whole projected width H*K / G*K (OLMoE); output head tied to the embedding (embed.T)
+    qkv_bias: bool = False
+    qk_norm: QKNorm = "none"
+    tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: DType = "bfloat16"
     param_dtype: ParamDType = "float32"
