@@ -177,7 +177,9 @@ def test_gqa_attention_matches_numpy_reference() -> None:
         assert rel_err(y[b], want) < 1e-5
 
 
-@pytest.mark.parametrize("qkv_bias, qk_norm", [(True, "none"), (False, "head"), (False, "full"), (True, "full")])
+@pytest.mark.parametrize(
+    "qkv_bias, qk_norm", [(True, "none"), (False, "head"), (False, "full"), (True, "full")]
+)
 def test_attention_bias_and_qk_norm_match_numpy_reference(qkv_bias: bool, qk_norm: str) -> None:
     cfg = ModelConfig(
         hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=1, num_dense_layers=1, moe=None,
