@@ -608,6 +608,11 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | N
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    return from_dict(override_dict(data, overrides))
+
+
+def override_dict(data: dict, overrides: list[str] | None) -> dict:
+    """`data` (a config as plain data) with dotted `key=value` overrides applied, in place."""
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
-    return from_dict(data)
+    return data
