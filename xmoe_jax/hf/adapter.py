@@ -194,9 +194,36 @@ def expert_rules(ours: str, hf_experts: str, fused_experts: str, names=("gate_pr
     ]
 
 
-def sparse_layers(hf: dict, family: str) -> int:
-    """How many leading layers are dense, from Qwen's decoder_sparse_step / mlp_only_layers; only
-    'the first k dense, the rest MoE' is supported (our layer stacks)."""
+def routed_moe(hf: dict, hidden_key: str, aux_default: float, **extra) -> dict:
+    """MoEConfig fields of the routed experts, from config.json (`extra`: the family's own)."""
+    return dict(
+        num_experts=num_experts(hf),
+        top_k=int(hf["num_experts_per_tok"]),
+        expert_hidden=int(hf[hidden_key]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", aux_default)),
+        **extra,
+    )
+
+
+def moe_block_rules(
+    p: str, block: str = f"{LAYER}.mlp", names=("gate_proj", "up_proj", "down_proj")
+) -> list[Rule]:
+    """Router [D,E] <- `{block}.gate.weight` [E,D]; experts <- `{block}.experts` (fused in `mlp.experts`)."""
+    return [
+        Rule(f"{p}/moe/router/kernel", f"{block}.gate.weight", linear(1)),
+        *expert_rules(f"{p}/moe/experts", f"{block}.experts", f"{LAYER}.mlp.experts", names),
+    ]
+
+
+def qwen_layer_fields(hf: dict, family: str) -> dict:
+    """Qwen2/3-MoE: full attention only; dense layers only first (`decoder_sparse_step` 1 and
+    `mlp_only_layers` = [0..k-1]: our first num_dense_layers; any other interleaving is refused)."""
+    refuse(hf.get("use_sliding_window", False), f"{family}: use_sliding_window=true is not implemented")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    refuse(
+        layer_types != {"full_attention"}, f"{family}: layer_types {sorted(layer_types)} are not supported"
+    )
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     only = sorted(hf.get("mlp_only_layers") or [])
     refuse(
@@ -208,7 +235,20 @@ def sparse_layers(hf: dict, family: str) -> int:
         only != list(range(len(only))),
         f"{family}: mlp_only_layers={only} is not supported; only dense layers first (0..k-1) are",
     )
-    return len(only)
+    return dict(dense_hidden=int(hf["intermediate_size"]), num_dense_layers=len(only))
+
+
+def qwen_layer_hf(cfg: ModelConfig) -> dict:
+    """config.json fields of Qwen2/3-MoE's routed experts and layer pattern."""
+    return {
+        "num_experts": cfg.moe.num_experts,
+        "moe_intermediate_size": cfg.moe.expert_hidden,
+        "norm_topk_prob": cfg.moe.norm_topk_prob,
+        "intermediate_size": cfg.dense_hidden,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(cfg.num_dense_layers)),
+        "use_sliding_window": False,
+    }
 
 
 def warn_ignored(hf: dict, keys: dict) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.hf import adapter as a
-from xmoe_jax.hf.mapping import Rule, linear
+from xmoe_jax.hf.mapping import Rule
 
 
 class Mixtral(a.Adapter):
@@ -22,13 +22,7 @@ class Mixtral(a.Adapter):
         )
         a.warn_ignored(hf, {"router_jitter_noise": 0.0, "attention_dropout": 0.0})
         fields = a.common_fields(hf, rope_default=1e6)
-        moe = dict(
-            num_experts=a.num_experts(hf),
-            top_k=int(hf["num_experts_per_tok"]),
-            expert_hidden=int(hf["intermediate_size"]),
-            norm_topk_prob=True,
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)),
-        )
+        moe = {**a.routed_moe(hf, "intermediate_size", aux_default=0.001), "norm_topk_prob": True}
         return a.model_config({**fields, "dense_hidden": moe["expert_hidden"], "num_dense_layers": 0}, moe)
 
     def unsupported(self, cfg: ModelConfig) -> str | None:
@@ -49,13 +43,7 @@ class Mixtral(a.Adapter):
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
         def moe(p: str) -> list[Rule]:
-            block = f"{a.LAYER}.block_sparse_moe"
-            return [
-                Rule(f"{p}/moe/router/kernel", f"{block}.gate.weight", linear(1)),
-                *a.expert_rules(
-                    f"{p}/moe/experts", f"{block}.experts", f"{a.LAYER}.mlp.experts", ("w1", "w3", "w2")
-                ),
-            ]
+            return a.moe_block_rules(p, f"{a.LAYER}.block_sparse_moe", ("w1", "w3", "w2"))
 
         return a.decoder_rules(cfg, moe)
 

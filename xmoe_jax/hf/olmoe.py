@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.hf import adapter as a
-from xmoe_jax.hf.mapping import Rule, linear
+from xmoe_jax.hf.mapping import Rule
 
 
 class Olmoe(a.Adapter):
@@ -26,13 +26,7 @@ class Olmoe(a.Adapter):
             fields["head_dim"] != fields["hidden"] // fields["num_heads"],
             "olmoe: head_dim must be hidden_size / num_attention_heads (its q/k norms are sized so)",
         )
-        moe = dict(
-            num_experts=a.num_experts(hf),
-            top_k=int(hf["num_experts_per_tok"]),
-            expert_hidden=int(hf["intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)),
-        )
+        moe = a.routed_moe(hf, "intermediate_size", aux_default=0.01)
         fields.update(dense_hidden=moe["expert_hidden"], num_dense_layers=0, qk_norm="full")
         return a.model_config(fields, moe)
 
@@ -57,14 +51,7 @@ class Olmoe(a.Adapter):
         return hf
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
-        def moe(p: str) -> list[Rule]:
-            block = f"{a.LAYER}.mlp"
-            return [
-                Rule(f"{p}/moe/router/kernel", f"{block}.gate.weight", linear(1)),
-                *a.expert_rules(f"{p}/moe/experts", f"{block}.experts", f"{block}.experts"),
-            ]
-
-        return a.decoder_rules(cfg, moe)
+        return a.decoder_rules(cfg, a.moe_block_rules)
 
 
 OLMOE = Olmoe("olmoe", "OlmoeForCausalLM")

@@ -16,29 +16,14 @@ from xmoe_jax.hf.mapping import Rule, linear
 
 class Qwen2Moe(a.Adapter):
     def to_model_config(self, hf: dict) -> ModelConfig:
-        a.refuse(hf.get("use_sliding_window", False), "qwen2_moe: use_sliding_window=true is not implemented")
-        layer_types = set(hf.get("layer_types") or ["full_attention"])
-        a.refuse(
-            layer_types != {"full_attention"}, f"qwen2_moe: layer_types {sorted(layer_types)} not supported"
-        )
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
         a.refuse(shared < 1, "qwen2_moe: shared_expert_intermediate_size must be >= 1 (every layer has one)")
-        fields = a.common_fields(hf, rope_default=1e4)
-        moe = dict(
-            num_experts=a.num_experts(hf),
-            top_k=int(hf["num_experts_per_tok"]),
-            expert_hidden=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            num_shared_experts=1,
-            shared_expert_hidden=shared,
-            shared_expert_gate=True,
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)),
-        )
-        fields.update(
-            dense_hidden=int(hf["intermediate_size"]),
-            num_dense_layers=a.sparse_layers(hf, "qwen2_moe"),
-            qkv_bias=bool(hf.get("qkv_bias", True)),  # before transformers 5 always on
-        )
+        fields = {**a.common_fields(hf, rope_default=1e4), **a.qwen_layer_fields(hf, "qwen2_moe")}
+        fields["qkv_bias"] = bool(hf.get("qkv_bias", True))  # before transformers 5 always on
+        moe = a.routed_moe(
+            hf, "moe_intermediate_size", aux_default=0.001,
+            num_shared_experts=1, shared_expert_hidden=shared, shared_expert_gate=True,
+        )  # fmt: skip
         return a.model_config(fields, moe)
 
     def unsupported(self, cfg: ModelConfig) -> str | None:
@@ -52,23 +37,16 @@ class Qwen2Moe(a.Adapter):
     def to_hf_config(self, cfg: ModelConfig) -> dict:
         return {
             **a.common_hf(cfg, self),
-            "num_experts": cfg.moe.num_experts,
-            "moe_intermediate_size": cfg.moe.expert_hidden,
+            **a.qwen_layer_hf(cfg),
             "shared_expert_intermediate_size": cfg.moe.shared_hidden,
-            "norm_topk_prob": cfg.moe.norm_topk_prob,
-            "intermediate_size": cfg.dense_hidden,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(cfg.num_dense_layers)),
             "qkv_bias": cfg.qkv_bias,
-            "use_sliding_window": False,
         }
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
         def moe(p: str) -> list[Rule]:
             block = f"{a.LAYER}.mlp"
             return [
-                Rule(f"{p}/moe/router/kernel", f"{block}.gate.weight", linear(1)),
-                *a.expert_rules(f"{p}/moe/experts", f"{block}.experts", f"{block}.experts"),
+                *a.moe_block_rules(p),
                 *a.mlp_rules(f"{p}/moe/shared", f"{block}.shared_expert"),
                 Rule(f"{p}/moe/shared/gate", f"{block}.shared_expert_gate.weight", linear(1)),
             ]
