@@ -39,7 +39,7 @@ CASES = {
         num_experts=4,
         shared_expert_intermediate_size=20,
         mlp_only_layers=[0],
-    ),  # fmt: skip
+    ),
     # per-head q/k norm, head_dim != hidden / heads, tied embeddings, renormalised top-k
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_COMMON,
@@ -50,7 +50,7 @@ CASES = {
         head_dim=12,
         norm_topk_prob=True,
         tie_word_embeddings=True,
-    ),  # fmt: skip
+    ),
     # full-width q/k norm
     "olmoe": lambda: transformers.OlmoeConfig(
         **_COMMON, num_hidden_layers=2, intermediate_size=24, num_experts=4, eos_token_id=1, pad_token_id=0

@@ -46,7 +46,7 @@ MODELS = {
             shared_expert_hidden=24,
             shared_expert_gate=True,
         ),
-    ),  # fmt: skip
+    ),
     "qwen3_moe": ModelConfig(
         **_BASE, num_dense_layers=0, qk_norm="head", tie_embeddings=True, moe=MoEConfig(**_MOE)
     ),
