@@ -62,10 +62,6 @@ class KVCache(NamedTuple):
     index: jax.Array  # int32 []: the next slot to write (shared by all rows)
     first_B: jax.Array  # int32 [B]: each row's first real slot (its left padding)
 
-    @property
-    def max_len(self) -> int:
-        return next(iter(self.kv.values()))[0].shape[2]
-
     def layer(self, k_BSGK: jax.Array, v_BSGK: jax.Array) -> LayerCache:
         return LayerCache(k_BSGK, v_BSGK, self.index, self.first_B)
 
