@@ -182,14 +182,31 @@ def rope_ref(x_SHK, theta: float):
     return out
 
 
-def attention_ref(x_SD, wq_DHK, wk_DGK, wv_DGK, wo_HKD, theta: float):
-    """Causal GQA attention of one sequence; kv head g serves query heads g*H/G .. (g+1)*H/G - 1."""
+def rms_norm_ref(x, scale, axes, eps: float):
+    """x / sqrt(mean(x^2 over `axes`) + eps) * scale."""
+    return x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + eps) * f64(scale)
+
+
+def attention_ref(x_SD, wq_DHK, wk_DGK, wv_DGK, wo_HKD, theta: float, bias=None, qk_norm=None, eps=1e-6):
+    """Causal GQA attention of one sequence; kv head g serves query heads g*H/G .. (g+1)*H/G - 1.
+
+    `bias`: (bq [H,K], bk [G,K], bv [G,K]) added to the projections; `qk_norm`: (kind, q scale,
+    k scale), kind "head" (RMSNorm over each head's K) or "full" (over the whole H*K / G*K),
+    applied to q and k before RoPE (Qwen3 / OLMoE).
+    """
     x_SD = f64(x_SD)
     wq, wk, wv, wo = map(f64, (wq_DHK, wk_DGK, wv_DGK, wo_HKD))
     num_heads, num_kv = wq.shape[1], wk.shape[1]
-    q = rope_ref(np.einsum("sd,dhk->shk", x_SD, wq), theta)
-    k = rope_ref(np.einsum("sd,dgk->sgk", x_SD, wk), theta)
+    q = np.einsum("sd,dhk->shk", x_SD, wq)
+    k = np.einsum("sd,dgk->sgk", x_SD, wk)
     v = np.einsum("sd,dgk->sgk", x_SD, wv)
+    if bias is not None:
+        q, k, v = q + f64(bias[0]), k + f64(bias[1]), v + f64(bias[2])
+    if qk_norm is not None:
+        kind, q_scale, k_scale = qk_norm
+        axes = (-1,) if kind == "head" else (-2, -1)
+        q, k = rms_norm_ref(q, q_scale, axes, eps), rms_norm_ref(k, k_scale, axes, eps)
+    q, k = rope_ref(q, theta), rope_ref(k, theta)
     k = np.repeat(k, num_heads // num_kv, axis=1)
     v = np.repeat(v, num_heads // num_kv, axis=1)
     seq, head_dim = x_SD.shape[0], q.shape[-1]

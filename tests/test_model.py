@@ -175,3 +175,42 @@ def test_gqa_attention_matches_numpy_reference() -> None:
     for b in range(x.shape[0]):
         want = attention_ref(np.asarray(x[b]), *weights, theta=cfg.rope_theta)
         assert rel_err(y[b], want) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "qkv_bias, qk_norm", [(True, "none"), (False, "head"), (False, "full"), (True, "full")]
+)
+def test_attention_bias_and_qk_norm_match_numpy_reference(qkv_bias: bool, qk_norm: str) -> None:
+    cfg = ModelConfig(
+        hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=1, num_dense_layers=1, moe=None,
+        dtype="float32", init_std=0.3, rope_theta=100.0, qkv_bias=qkv_bias, qk_norm=qk_norm,
+    )  # fmt: skip
+    attn = Attention(cfg, nnx.Rngs(params=0))
+    keys = iter(jax.random.split(jax.random.key(5), 8))
+    for _, var in nnx.iter_graph(attn):  # biases start at zero and scales at one: make them count
+        if isinstance(var, nnx.Param) and var[...].ndim < 3:
+            var[...] = var[...] + 0.3 * jax.random.normal(next(keys), var[...].shape)
+    x = jax.random.normal(jax.random.key(3), (2, 12, 32), jnp.float32)
+    y = attn(x)
+    weights = [np.asarray(w[...]) for w in (attn.wq, attn.wk, attn.wv, attn.wo)]
+    bias = tuple(np.asarray(b[...]) for b in (attn.bq, attn.bk, attn.bv)) if qkv_bias else None
+    norm = None
+    if qk_norm != "none":
+        norm = (qk_norm, np.asarray(attn.q_norm.scale[...]), np.asarray(attn.k_norm.scale[...]))
+        assert norm[1].shape == ((8,) if qk_norm == "head" else (4, 8))
+    for b in range(x.shape[0]):
+        want = attention_ref(np.asarray(x[b]), *weights, theta=cfg.rope_theta, bias=bias, qk_norm=norm)
+        assert rel_err(y[b], want) < 1e-5
+
+
+def test_tied_embeddings_share_the_embedding_as_head() -> None:
+    cfg = dataclasses.replace(_tiny(), tie_embeddings=True)
+    spec = model_spec(cfg)
+    assert "lm_head" not in spec.params_shape
+    params, bias = init_params(spec, jax.random.key(0))
+    tokens = _tokens()
+    logits, _ = apply(spec, params, bias, tokens)
+    hidden_spec = dataclasses.replace(cfg, tie_embeddings=False)
+    untied = {**params, "lm_head": params["embed"].T}  # the same model, untied
+    want, _ = apply(model_spec(hidden_spec), untied, bias, tokens)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))

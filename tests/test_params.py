@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 
+import jax
 import pytest
 
 from xmoe_jax.config import ModelConfig, MoEConfig, load_config
+from xmoe_jax.model import model_spec
 from xmoe_jax.params import count_params, format_param_table, paper_units
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -112,3 +115,20 @@ def test_format_param_table_lists_rows() -> None:
         assert label in text
     assert "10.06" in text
     assert f"{count_params(_model('small')).total:,}" in text
+
+
+@pytest.mark.parametrize(
+    "variant, delta",
+    [
+        ({"qkv_bias": True}, 3 * (8 + 4 + 4)),  # q [H*Dh] + k, v [KV*Dh] per layer
+        ({"qk_norm": "head"}, 3 * (4 + 4)),  # q and k scales [Dh] per layer
+        ({"qk_norm": "full"}, 3 * (8 + 4)),  # [H*Dh] and [KV*Dh] per layer
+        ({"tie_embeddings": True}, -80),  # no lm_head
+        ({"qkv_bias": True, "qk_norm": "full", "tie_embeddings": True}, 48 + 36 - 80),
+    ],
+)
+def test_attention_variants_hand_computed_and_match_the_spec(variant: dict, delta: int) -> None:
+    cfg = dataclasses.replace(TINY, **variant)
+    assert count_params(cfg).total == 2696 + delta
+    spec = model_spec(cfg)  # abstract
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(spec.params_shape)) == count_params(cfg).total

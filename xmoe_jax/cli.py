@@ -1,4 +1,5 @@
-"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-tokenize`, `xmoe-eval`, `xmoe-plot`.
+"""Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-plan`, `xmoe-tokenize`, `xmoe-eval`,
+`xmoe-plot`, `xmoe-generate`, `xmoe-convert`.
 
     xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
@@ -6,6 +7,8 @@
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
     xmoe-eval --run-dir runs/mine [--step 200] [--set eval.holdout=0.01]
     xmoe-plot --run-dir runs/mine
+    xmoe-generate --run-dir runs/tiny --prompt "To be" [--max-tokens 64 --temperature 0.8 ...]
+    xmoe-convert import --hf-dir DIR --out RUN_DIR / export --run-dir RUN_DIR --out DIR
 
 Exit status of `xmoe-train` (docs/reliability.md):
     0   the run finished;
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import sys
 import traceback
 
@@ -302,6 +306,95 @@ def plot_main(argv: list[str] | None = None) -> int:
         return _fail(err)
     for path in written:
         print(path)
+    return 0
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
+    p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt, byte-level (repeatable)")
+    p.add_argument(
+        "--prompt-ids", action="append", default=[], help='a prompt as token ids, "1 2 3" (repeatable)'
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the most likely tokens holding p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-id", type=int, default=None, help="stop a row at this token id")
+    p.add_argument(
+        "--mesh", action="store_true", help="run on the run's mesh and placement (default: one device)"
+    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()
+    _quiet_logging()
+    from xmoe_jax.data import load_tokenizer
+    from xmoe_jax.generate import SamplingConfig, generate_from_run
+    from xmoe_jax.train.checkpoint import CheckpointError
+
+    try:
+        run_cfg = pathlib.Path(args.run_dir) / "config.yaml"
+        tokenizer = load_tokenizer(load_config(run_cfg if run_cfg.is_file() else None).data.tokenizer)
+        prompts = tokenizer.encode_batch(args.prompt) + [[int(i) for i in s.split()] for s in args.prompt_ids]
+        if not prompts:
+            raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        outs = generate_from_run(
+            args.run_dir, prompts, args.max_tokens, sampling, args.seed, step=args.step, on_mesh=args.mesh,
+            overrides=args.overrides, eos_id=args.eos_id,
+        )  # fmt: skip
+    except (ConfigError, CheckpointError, ValueError) as err:
+        return _fail(err)
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        print(f"=== {i + 1}/{len(prompts)}")
+        is_text = i < len(args.prompt)
+        print(tokenizer.decode(prompt + out) if is_text else " ".join(map(str, prompt + out)))
+    return 0
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="xmoe-convert", description="HuggingFace checkpoints in and out.")
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="a HuggingFace directory -> a run directory to train or resume")
+    imp.add_argument(
+        "--hf-dir", required=True, help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE)"
+    )
+    imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
+    exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
+    exp.add_argument("--run-dir", required=True)
+    exp.add_argument("--out", required=True, help="the output directory")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
+    exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    for q in (imp, exp):
+        q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    from xmoe_jax.xla_flags import apply_defaults
+
+    apply_defaults()
+    _quiet_logging()
+    from xmoe_jax.hf.convert import ConversionError, export_checkpoint, import_checkpoint
+    from xmoe_jax.plan import parse_bytes
+    from xmoe_jax.train.checkpoint import CheckpointError
+
+    try:
+        if args.command == "import":
+            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides)
+            print(f"imported {args.hf_dir} into {cfg.train.run_dir}; continue training with:")
+            print(f"  xmoe-train --config {cfg.train.run_dir}/config.yaml --resume")
+        else:
+            files = export_checkpoint(
+                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides,
+                parse_bytes(args.max_shard_size),
+            )  # fmt: skip
+            print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
+    except (ConversionError, ConfigError, CheckpointError, ValueError) as err:
+        return _fail(err)
     return 0
 
 

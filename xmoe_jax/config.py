@@ -32,6 +32,7 @@ DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", 
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
 NanPolicy = Literal["stop", "skip"]
+QKNorm = Literal["none", "head", "full"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
@@ -243,6 +244,12 @@ class ModelConfig:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # attention variants of published models (HuggingFace import/export): bias on the q/k/v
+    # projections (Qwen2); RMSNorm on q and k before RoPE, per head over K (Qwen3) or over the
+    # whole projected width H*K / G*K (OLMoE); output head tied to the embedding (embed.T)
+    qkv_bias: bool = False
+    qk_norm: QKNorm = "none"
+    tie_embeddings: bool = False
     init_std: float = 0.02
     dtype: DType = "bfloat16"
     param_dtype: ParamDType = "float32"
@@ -760,6 +767,11 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | N
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    return from_dict(override_dict(data, overrides))
+
+
+def override_dict(data: dict, overrides: list[str] | None) -> dict:
+    """`data` (a config as plain data) with dotted `key=value` overrides applied, in place."""
     for key, value in parse_overrides(overrides):
         _set_dotted(data, key, value)
-    return from_dict(data)
+    return data

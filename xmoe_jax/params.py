@@ -3,9 +3,10 @@
 Counts follow the parameter layout of `xmoe_jax.model` exactly (D hidden, V vocab, H heads,
 KV key/value heads, Dh head size, Fd dense hidden, E experts, F expert hidden, Fs shared hidden):
 
-- ``embed`` [V, D], untied ``lm_head`` [D, V], final RMSNorm scale [D];
-- per layer: two RMSNorm scales [D]; attention wq [D, H*Dh], wk/wv [D, KV*Dh], wo [H*Dh, D]
-  (no biases);
+- ``embed`` [V, D], ``lm_head`` [D, V] unless ``tie_embeddings``, final RMSNorm scale [D];
+- per layer: two RMSNorm scales [D]; attention wq [D, H*Dh], wk/wv [D, KV*Dh], wo [H*Dh, D],
+  with ``qkv_bias`` biases [H*Dh] + 2 [KV*Dh]; with ``qk_norm`` scales on q and k ("norms"):
+  [Dh] each per head, [H*Dh] + [KV*Dh] over the full width;
 - dense layers (the first ``num_dense_layers``): MLP of hidden Fd, 3 matrices for SwiGLU
   (gate, up, down) or 2 for GELU (up, down);
 - MoE layers: router kernel [D, E]; routed experts E * (3 or 2) * D * F; shared experts fused
@@ -50,12 +51,15 @@ def _breakdown(cfg: ModelConfig) -> dict[str, int]:
     q_dim = cfg.num_heads * cfg.head_size
     kv_dim = cfg.kv_heads * cfg.head_size
     attn_per_layer = d * q_dim + 2 * d * kv_dim + q_dim * d
+    if cfg.qkv_bias:
+        attn_per_layer += q_dim + 2 * kv_dim
+    qk_norm_per_layer = {"none": 0, "head": 2 * cfg.head_size, "full": q_dim + kv_dim}[cfg.qk_norm]
     dense_per_layer = _mlp_matrices(cfg.dense_activation) * d * cfg.dense_hidden
 
     rows = {
         "embed": v * d,
-        "lm_head": d * v,
-        "norms": (2 * num_layers + 1) * d,
+        "lm_head": 0 if cfg.tie_embeddings else d * v,
+        "norms": (2 * num_layers + 1) * d + num_layers * qk_norm_per_layer,
         "attention": num_layers * attn_per_layer,
         "dense_mlp": cfg.num_dense_layers * dense_per_layer,
         "router": 0,

@@ -105,3 +105,11 @@ def loss(spec: ModelSpec, params: dict, bias: dict, inputs_BS: jax.Array, target
     model = nnx.merge(spec.graphdef, params, bias)
     h_BSD, stats = model(inputs_BS)
     return model.loss(h_BSD, targets_BS), stats
+
+
+def decode(spec: ModelSpec, params: dict, bias: dict, tokens_BT: jax.Array, cache):
+    """Float32 logits [B,V] of the last of T new tokens per row, written into and attending to
+    the KV cache (model/kv_cache.py), and the updated cache (generation: prefill and decode)."""
+    model = nnx.merge(spec.graphdef, params, bias)
+    h_BTD, cache = model.decode(tokens_BT, cache)
+    return model.logits(h_BTD[:, -1:])[:, 0], cache

@@ -40,29 +40,43 @@ def dtypes(cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical=("norm",))
+    """x / rms(x) * scale in float32; `shape` is the normalised trailing dims (one or more axes)."""
+
+    def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, logical=("norm",)):
+        shape = (dim,) if isinstance(dim, int) else tuple(dim)
+        self.scale = nnx.Param(jnp.ones(shape, param_dtype), logical=logical)
         self.eps = eps
+        self.num_axes = len(shape)
 
-    def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        x32 = x_BSD.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x_BSD.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        axes = tuple(range(-self.num_axes, 0))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BSHK: jax.Array, positions_S: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half convention) in float32."""
+def rope(x_BSHK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half convention) in float32; `positions` [S] or per row [B,S]."""
     half = x_BSHK.shape[-1] // 2
     freq_k = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_SK = positions_S.astype(jnp.float32)[:, None] * freq_k[None, :]
-    cos, sin = jnp.cos(angle_SK)[None, :, None, :], jnp.sin(angle_SK)[None, :, None, :]
+    angle = positions.astype(jnp.float32)[..., None] * freq_k  # [..., S, K/2]
+    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # a heads axis
     x1, x2 = jnp.split(x_BSHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BSHK.dtype)
 
 
+Q_NAMES = ("batch", None, "heads", "head_dim")
+KV_NAMES = ("batch", None, "kv_heads", "head_dim")
+
+
 class Attention(nnx.Module):
-    """Causal self-attention with RoPE; GQA when num_kv_heads < num_heads."""
+    """Causal self-attention with RoPE; GQA when num_kv_heads < num_heads.
+
+    Options of published models (all off by default, adding parameters without RNG draws):
+    `qkv_bias` adds q/k/v biases (zeros), `qk_norm` an RMSNorm (scale ones) on q and k before
+    RoPE, over each head's K ("head") or over the whole projected width H*K / G*K ("full").
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         _, pdt = dtypes(cfg)
@@ -72,24 +86,54 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), out_std, pdt)
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((h, k), pdt), logical=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((g, k), pdt), logical=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((g, k), pdt), logical=("kv_heads", "head_dim"))
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(k, cfg.norm_eps, pdt, ("head_dim",))
+            self.k_norm = RMSNorm(k, cfg.norm_eps, pdt, ("head_dim",))
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm((h, k), cfg.norm_eps, pdt, ("heads", "head_dim"))
+            self.k_norm = RMSNorm((g, k), cfg.norm_eps, pdt, ("kv_heads", "head_dim"))
+        self.has_bias, self.has_qk_norm = cfg.qkv_bias, cfg.qk_norm != "none"
         self.theta = cfg.rope_theta
         self.implementation = cfg.attention
 
-    def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
+    def qkv(self, x_BSD: jax.Array, positions: jax.Array, constrain=no_constraint):
+        """q [B,S,H,K], k and v [B,S,G,K]: projections (+ bias), q/k norms, RoPE at `positions`
+        ([S], or [B,S] per row)."""
         dt = x_BSD.dtype
-        positions_S = jnp.arange(x_BSD.shape[1])
-        q_names, kv_names = ("batch", None, "heads", "head_dim"), ("batch", None, "kv_heads", "head_dim")
 
-        def project(w, spec, names):
-            return tag(constrain(jnp.einsum(spec, x_BSD, w[...].astype(dt)), names), ATTN_QKV)
+        def project(name, spec, names):
+            y = jnp.einsum(spec, x_BSD, getattr(self, "w" + name)[...].astype(dt))
+            if self.has_bias:
+                y = y + getattr(self, "b" + name)[...].astype(dt)
+            return tag(constrain(y, names), ATTN_QKV)
 
-        q_BSHK = project(self.wq, "bsd,dhk->bshk", q_names)
-        k_BSGK = project(self.wk, "bsd,dgk->bsgk", kv_names)
-        v_BSGK = project(self.wv, "bsd,dgk->bsgk", kv_names)
-        q_BSHK, k_BSGK = rope(q_BSHK, positions_S, self.theta), rope(k_BSGK, positions_S, self.theta)
-        o_BSHK = attend(q_BSHK, k_BSGK, v_BSGK, self.implementation, shard_names=(q_names, kv_names))
-        o_BSHK = tag(constrain(o_BSHK, q_names), ATTN_CORE)
-        return jnp.einsum("bshk,hkd->bsd", o_BSHK, self.wo[...].astype(dt))
+        q_BSHK = project("q", "bsd,dhk->bshk", Q_NAMES)
+        k_BSGK = project("k", "bsd,dgk->bsgk", KV_NAMES)
+        v_BSGK = project("v", "bsd,dgk->bsgk", KV_NAMES)
+        if self.has_qk_norm:
+            q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+        return rope(q_BSHK, positions, self.theta), rope(k_BSGK, positions, self.theta), v_BSGK
+
+    def out(self, o_BSHK: jax.Array, constrain=no_constraint) -> jax.Array:
+        o_BSHK = tag(constrain(o_BSHK, Q_NAMES), ATTN_CORE)
+        return jnp.einsum("bshk,hkd->bsd", o_BSHK, self.wo[...].astype(o_BSHK.dtype))
+
+    def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
+        q_BSHK, k_BSGK, v_BSGK = self.qkv(x_BSD, jnp.arange(x_BSD.shape[1]), constrain)
+        o_BSHK = attend(q_BSHK, k_BSGK, v_BSGK, self.implementation, shard_names=(Q_NAMES, KV_NAMES))
+        return self.out(o_BSHK, constrain)
+
+    def decode(self, x_BTD: jax.Array, cache, constrain=no_constraint):
+        """Attention of T new tokens per row against a layer's KV cache (model/kv_cache.py): their
+        keys and values are written at the cache's write index first. Returns (out, new cache)."""
+        q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, cache.positions(x_BTD.shape[1]), constrain)
+        cache = cache.write(k_BTGK, v_BTGK)
+        o_BTHK = cache.attend(q_BTHK)
+        return self.out(o_BTHK, constrain), cache
 
 
 class MLP(nnx.Module):

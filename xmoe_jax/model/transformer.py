@@ -1,8 +1,10 @@
 """Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head.
 
-Shapes: B batch, S sequence, D model, V vocab, L layers of a stack. Pre-norm
-residual blocks; untied embedding and output head; bf16 compute (model.dtype) over
-float32 master weights.
+Shapes: B batch, S sequence, T new tokens (generation), D model, V vocab, L layers of a
+stack. Pre-norm residual blocks; the output head is its own weight unless
+`model.tie_embeddings` (then the embedding's transpose); bf16 compute (model.dtype) over
+float32 master weights. `decode` runs new tokens against a KV cache (model/kv_cache.py),
+through the same blocks.
 
 Layers live in two stacks, `dense_layers` and `moe_layers`: one Block's variables
 with a leading [L] axis. The forward pass runs each stack as a `jax.lax.scan` over
@@ -29,6 +31,7 @@ from flax import nnx
 
 from xmoe_jax import sharding
 from xmoe_jax.config import ModelConfig, ParallelConfig
+from xmoe_jax.model.kv_cache import KVCache
 from xmoe_jax.model.layers import MLP, Attention, RMSNorm, dtypes, param
 from xmoe_jax.model.loss import chunked_cross_entropy
 from xmoe_jax.model.moe_block import MoEBlock
@@ -59,7 +62,18 @@ class Block(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         constrain = _constrainer(self.parallel)
-        attn_BSD = tag(constrain(self.attn(self.attn_norm(x_BSD), constrain), RESIDUAL), ATTN_OUT)
+        return self._feed_forward(x_BSD, self.attn(self.attn_norm(x_BSD), constrain), constrain)
+
+    def decode(self, x_BTD: jax.Array, cache) -> tuple[jax.Array, object]:
+        """The block on T new tokens per row against its KV cache (generation); (x, new cache)."""
+        constrain = _constrainer(self.parallel)
+        attn_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, constrain)
+        x_BTD, _ = self._feed_forward(x_BTD, attn_BTD, constrain)
+        return x_BTD, cache
+
+    def _feed_forward(self, x_BSD, attn_BSD, constrain) -> tuple[jax.Array, MoEStats | None]:
+        """Adds the attention output to the residual, then the MLP or MoE sub-layer."""
+        attn_BSD = tag(constrain(attn_BSD, RESIDUAL), ATTN_OUT)
         x_BSD = x_BSD + attn_BSD
         h_BSD = self.mlp_norm(x_BSD)
         if self.is_moe:
@@ -84,7 +98,9 @@ class Transformer(nnx.Module):
         parallel = parallel or ParallelConfig()
         self.cfg = cfg
         self.parallel = parallel
-        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden), ("vocab", "embed"), 1.0, pdt)
+        # tied, the embedding is also the output head: initialised at init_std like a head
+        embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden), ("vocab", "embed"), embed_std, pdt)
         if cfg.num_dense_layers:
             self.dense_layers = _stack(
                 [Block(cfg, False, rngs, parallel) for _ in range(cfg.num_dense_layers)]
@@ -92,7 +108,8 @@ class Transformer(nnx.Module):
         if cfg.num_moe_layers:
             self.moe_layers = _stack([Block(cfg, True, rngs, parallel) for _ in range(cfg.num_moe_layers)])
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
-        self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
 
     def _run_stack(self, stack: Block, x_BSD: jax.Array):
         graphdef, state = nnx.split(stack)
@@ -124,15 +141,38 @@ class Transformer(nnx.Module):
                     stats[f"{name}/moe"] = stack_stats
         return self.final_norm(x_BSD), stats
 
+    def decode(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Final-normed hidden states [B,T,D] of T new tokens per row, attending to the cache
+        (model/kv_cache.py) into which their keys and values are written: prefill and decode."""
+        dt, _ = dtypes(self.cfg)
+        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dt)
+        kv = {}
+        for name in STACKS:
+            if not hasattr(self, name):
+                continue
+            graphdef, state = nnx.split(getattr(self, name))
+
+            def layer(x_BTD, xs, graphdef=graphdef):
+                layer_state, k_BSGK, v_BSGK = xs
+                x_BTD, view = nnx.merge(graphdef, layer_state).decode(x_BTD, cache.layer(k_BSGK, v_BSGK))
+                return x_BTD, (view.k_BSGK, view.v_BSGK)
+
+            x_BTD, kv[name] = jax.lax.scan(layer, x_BTD, (state, *cache.kv[name]))
+        return self.final_norm(x_BTD), cache.advanced(kv, tokens_BT.shape[1])
+
+    def head(self) -> jax.Array:
+        """The output projection [D,V] in the compute dtype (the embedding's transpose when tied)."""
+        dt, _ = dtypes(self.cfg)
+        w_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return w_DV.astype(dt)
+
     def logits(self, h_BSD: jax.Array) -> jax.Array:
         """Float32 logits [B,S,V] of final hidden states (evaluation, generation, tests)."""
-        dt, _ = dtypes(self.cfg)
-        logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.lm_head[...].astype(dt)).astype(jnp.float32)
+        logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.head()).astype(jnp.float32)
         return _constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
 
     def loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy, chunked over the sequence (model.loss_chunk)."""
-        dt, _ = dtypes(self.cfg)
         return chunked_cross_entropy(
-            h_BSD, self.lm_head[...].astype(dt), targets_BS, self.cfg.loss_chunk, _constrainer(self.parallel)
+            h_BSD, self.head(), targets_BS, self.cfg.loss_chunk, _constrainer(self.parallel)
         )

@@ -69,11 +69,16 @@ def abstract_state(spec: fmodel.ModelSpec, optimizer, shardings: TrainState) -> 
 
 
 def init_state(
-    spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, shardings: TrainState
+    spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, shardings: TrainState, weights=None
 ) -> TrainState:
+    """Step 0: fresh weights (or the given (params, bias), already placed: an imported model), a
+    fresh optimizer state and the run's RNG."""
     key = jax.random.key(cfg.train.seed)
     init_key, rng = jax.random.split(key)
-    params, bias = fmodel.init_params(spec, init_key, mesh, cfg.mesh.fsdp)
+    if weights is None:
+        params, bias = fmodel.init_params(spec, init_key, mesh, cfg.mesh.fsdp)
+    else:
+        params, bias = weights
     opt = jax.jit(optimizer.init, out_shardings=shardings.opt)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     rng = jax.device_put(jax.random.key_data(rng), shardings.rng)

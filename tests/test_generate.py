@@ -1,0 +1,114 @@
+"""Generation: KV-cached decoding equals the full-sequence forward; sampling; the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import rel_err
+
+from xmoe_jax.config import ConfigError, MeshConfig, ParallelConfig, load_config
+from xmoe_jax.generate import SamplingConfig, generate, sample
+from xmoe_jax.model import apply, init_params, model_spec
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.model.kv_cache import init_cache
+from xmoe_jax.sharding import make_mesh
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [42]]  # different lengths: left-padded
+NUM_NEW = 6
+
+
+@functools.cache
+def _model():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.dtype=float32"]).model
+    cfg = dataclasses.replace(cfg, qkv_bias=True, qk_norm="head")  # the new attention options too
+    spec = model_spec(cfg)
+    params, bias = init_params(spec, jax.random.key(0))
+    for stack in ("dense_layers", "moe_layers"):  # biases start at zero: make them count
+        attn = params[stack]["attn"]
+        attn["bk"] = attn["bk"] + 0.5 * jax.random.normal(jax.random.key(1), attn["bk"].shape)
+    return spec, params, bias
+
+
+def _full_forward_greedy(spec, params, bias, prompts, num_new) -> list[list[int]]:
+    """Reference: the whole sequence through `apply` each step (right-padded: causal), argmax."""
+    width = max(map(len, prompts)) + num_new
+    fn = jax.jit(lambda t: apply(spec, params, bias, t)[0])
+    seqs = [list(p) for p in prompts]
+    for _ in range(num_new):
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for b, s in enumerate(seqs):
+            tokens[b, : len(s)] = s
+        logits = np.asarray(fn(tokens))
+        for b, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[b, len(s) - 1])))
+    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
+
+
+def test_greedy_equals_full_forward() -> None:
+    spec, params, bias = _model()
+    got = generate(spec, params, bias, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0))
+    assert got == _full_forward_greedy(spec, params, bias, PROMPTS, NUM_NEW)
+
+
+def test_prefill_and_decode_logits_equal_full_forward() -> None:
+    spec, params, bias = _model()
+    tokens = np.asarray([[0, 0, 0, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7]], np.int32)  # row 0 left-padded
+    first = np.asarray([3, 0], np.int32)
+    decode = jax.jit(functools.partial(fmodel.decode, spec))
+    cache = init_cache(spec.cfg, 2, 9, first)
+    prefill, cache = decode(params, bias, tokens[:, :-1], cache)
+    step, cache = decode(params, bias, tokens[:, -1:], cache)
+    assert int(cache.index) == 7
+    for b in range(2):
+        row = tokens[b : b + 1, first[b] :]
+        full, _ = jax.jit(functools.partial(apply, spec))(params, bias, row)
+        assert rel_err(prefill[b], full[0, -2]) < 1e-5
+        assert rel_err(step[b], full[0, -1]) < 1e-5
+
+
+def test_greedy_on_the_training_mesh_equals_one_device() -> None:
+    spec, params, bias = _model()
+    want = generate(spec, params, bias, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0))
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    pft = model_spec(spec.cfg, ParallelConfig(dispatch="pft"))
+    placed = jax.device_put((params, bias), fmodel.shardings(pft, mesh))
+    got = generate(pft, *placed, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0), mesh=mesh)
+    assert got == want
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_top_p() -> None:
+    spec, params, bias = _model()
+    warm = SamplingConfig(temperature=1.0, top_p=0.9)
+    first = generate(spec, params, bias, PROMPTS, 4, warm, seed=1)
+    assert first == generate(spec, params, bias, PROMPTS, 4, warm, seed=1)  # compiled once, same draws
+    # a known distribution: p = [.5, .3, .15, .05]
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    for cfg, allowed in [
+        (SamplingConfig(top_p=0.7), {0, 1}),  # .5 < .7, then .8 reaches it
+        (SamplingConfig(top_p=0.85), {0, 1, 2}),
+        (SamplingConfig(top_k=3), {0, 1, 2}),
+        (SamplingConfig(temperature=2.0, top_k=1), {0}),  # top-1 is greedy at any temperature
+        (SamplingConfig(temperature=0.0), {0}),
+        (SamplingConfig(), {0, 1, 2, 3}),
+    ]:
+        drawn = np.asarray(sample(logits, jax.random.key(0), cfg))
+        assert set(drawn.tolist()) == allowed
+    drawn = np.asarray(sample(logits, jax.random.key(0), SamplingConfig()))
+    np.testing.assert_allclose(np.bincount(drawn, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_bad_requests_are_refused() -> None:
+    spec, params, bias = _model()
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        generate(spec, params, bias, [[1]], spec.cfg.max_seq_len)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        generate(spec, params, bias, [[spec.cfg.vocab_size]], 2)
+    with pytest.raises(ConfigError, match="top-p"):
+        SamplingConfig(top_p=0.0)

@@ -1,0 +1,218 @@
+"""HuggingFace conversion without torch: refusals, round trips, placement, the README's commands.
+
+The checks against `transformers` itself are in test_hf.py (skipped without the `hf` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import shlex
+
+import jax
+import numpy as np
+import pytest
+
+from xmoe_jax import sharding
+from xmoe_jax.cli import convert_main, generate_main, train_main
+from xmoe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig, load_config
+from xmoe_jax.hf import ADAPTERS, ConversionError
+from xmoe_jax.hf import safetensors_io as st
+from xmoe_jax.hf.convert import choose_adapter, export_checkpoint, import_checkpoint, import_config
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.model import model_spec
+from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# tiny models of each family, as our configs (vocab >= 256: the README generates bytes from them)
+_BASE = dict(
+    vocab_size=256, hidden=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32"
+)
+_MOE = dict(num_experts=8, top_k=2, expert_hidden=16)
+MODELS = {
+    "mixtral": ModelConfig(**_BASE, num_dense_layers=0, moe=MoEConfig(**_MOE)),
+    "qwen2_moe": ModelConfig(
+        **_BASE,
+        num_dense_layers=1,
+        dense_hidden=48,
+        qkv_bias=True,
+        moe=MoEConfig(
+            **_MOE,
+            norm_topk_prob=False,
+            num_shared_experts=1,
+            shared_expert_hidden=24,
+            shared_expert_gate=True,
+        ),
+    ),
+    "qwen3_moe": ModelConfig(
+        **_BASE, num_dense_layers=0, qk_norm="head", tie_embeddings=True, moe=MoEConfig(**_MOE)
+    ),
+    "olmoe": ModelConfig(
+        **{**_BASE, "head_dim": None}, num_dense_layers=0, qk_norm="full", moe=MoEConfig(**_MOE)
+    ),
+}
+
+
+def _run(model: ModelConfig, run_dir: pathlib.Path) -> Config:
+    """A run directory holding `model` with random weights (numpy: nothing to compile)."""
+    cfg = Config(model=model, train=TrainConfig(run_dir=str(run_dir), seq_len=16, batch_size=8))
+    mesh = sharding.make_mesh(cfg.mesh)
+    spec = model_spec(model)
+    rng = np.random.default_rng(0)
+    with jax.set_mesh(mesh):
+        weights = jax.tree.map(
+            lambda x, where: jax.device_put((0.2 * rng.normal(size=x.shape)).astype(x.dtype), where),
+            (spec.params_shape, spec.bias_shape),
+            fmodel.shardings(spec, mesh),
+        )
+        save_initial(cfg, weights, mesh)
+    return cfg
+
+
+def _weights(run_dir, *overrides):
+    cfg, step = read_run_config(run_dir, None, list(overrides))
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        return load_weights(run_dir, cfg, step, mesh)
+
+
+def _assert_bitwise(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_export_then_import_is_bitwise(arch: str, tmp_path) -> None:
+    _run(MODELS[arch], tmp_path / "run")
+    assert choose_adapter(read_run_config(tmp_path / "run")[0]).model_type == arch
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["model_type"] == arch and hf["architectures"] == [ADAPTERS[arch].architecture]
+    cfg = import_checkpoint(tmp_path / "hf", tmp_path / "back")
+    for name in ("rope_theta", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "num_dense_layers"):
+        assert getattr(cfg.model, name) == getattr(MODELS[arch], name), name
+    assert cfg.model.moe.norm_topk_prob == MODELS[arch].moe.norm_topk_prob
+    _assert_bitwise(_weights(tmp_path / "back"), _weights(tmp_path / "run"))
+
+
+def test_sharded_files_and_fused_experts_import_alike(tmp_path) -> None:
+    _run(MODELS["qwen3_moe"], tmp_path / "run")
+    files = export_checkpoint(tmp_path / "run", tmp_path / "hf", max_shard_bytes=20_000)
+    assert len(files) > 1 and (tmp_path / "hf" / st.INDEX).is_file()
+    # the same tensors with each layer's experts fused, as recent transformers keeps them in memory
+    reader, fused = st.Reader(tmp_path / "hf"), {}
+    for key in sorted(reader.keys()):
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight", key)
+        if m is None:
+            fused[key] = reader.read(key)
+        elif m[2] == "0":
+            stack = [reader.read(f"{m[1]}.{e}.{m[3]}_proj.weight") for e in range(8)]
+            if m[3] == "down":
+                fused[f"{m[1]}.down_proj"] = np.stack(stack)
+            elif m[3] == "gate":
+                ups = [reader.read(f"{m[1]}.{e}.up_proj.weight") for e in range(8)]
+                fused[f"{m[1]}.gate_up_proj"] = np.stack(
+                    [np.concatenate(p) for p in zip(stack, ups, strict=True)]
+                )
+    (tmp_path / "fused").mkdir()
+    st.write_sharded(fused.items(), tmp_path / "fused")
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    import_checkpoint(tmp_path / "hf", tmp_path / "a")
+    import_checkpoint(tmp_path / "fused", tmp_path / "b")
+    _assert_bitwise(_weights(tmp_path / "a"), _weights(tmp_path / "b"))
+
+
+def test_import_places_experts_by_the_mesh_and_reads_each_once(tmp_path, monkeypatch) -> None:
+    _run(MODELS["mixtral"], tmp_path / "run")
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    reads: list[str] = []
+    original = st.Reader.read
+    monkeypatch.setattr(
+        st.Reader, "read", lambda self, key, index=(): reads.append(key) or original(self, key, index)
+    )
+    import_checkpoint(tmp_path / "hf", tmp_path / "ep", ["mesh.data=2", "mesh.expert=4"])
+    expert_reads = [k for k in reads if ".experts." in k]
+    assert sorted(expert_reads) == sorted(set(expert_reads))  # every expert tensor read once, by its shard
+    assert len(expert_reads) == 3 * 3 * 8  # layers x (w1, w2, w3) x experts
+    params, _ = _weights(tmp_path / "ep")
+    w_gate = params["moe_layers"]["moe"]["experts"]["w_gate"]  # [L, E, D, F]
+    assert w_gate.sharding.spec[1] == sharding.EXPERT_AXES
+    want = np.asarray(_weights(tmp_path / "run")[0]["moe_layers"]["moe"]["experts"]["w_gate"])
+    for shard in w_gate.addressable_shards:
+        assert shard.data.shape[1] == 2  # 8 experts over 4 devices
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+
+
+def _hf(model_type: str, **changes) -> dict:
+    hf = {"model_type": model_type, "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2}
+    hf.update(num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, moe_intermediate_size=16)
+    hf.update(num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=20)
+    return {**hf, **changes}
+
+
+@pytest.mark.parametrize(
+    "hf, match",
+    [
+        (_hf("llama"), "no adapter"),
+        (_hf("mixtral", rope_scaling={"type": "yarn", "factor": 4}), "RoPE scaling 'yarn'"),
+        (_hf("qwen3_moe", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), "'dynamic'"),
+        (_hf("mixtral", sliding_window=4096), "sliding_window"),
+        (_hf("qwen2_moe", use_sliding_window=True), "use_sliding_window"),
+        (_hf("qwen2_moe", decoder_sparse_step=2), "decoder_sparse_step=2"),
+        (_hf("qwen3_moe", mlp_only_layers=[1]), "mlp_only_layers"),
+        (_hf("qwen3_moe", attention_bias=True), "attention_bias"),
+        (_hf("olmoe", clip_qkv=8.0), "clip_qkv"),
+        (_hf("olmoe", hidden_act="gelu"), "hidden_act"),
+        (_hf("mixtral", num_experts_per_tok=8), "top_k=8"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(hf: dict, match: str, tmp_path) -> None:
+    with pytest.raises(ConversionError, match=match):
+        import_config(hf, tmp_path)
+
+
+def test_dense_first_layers_map_to_num_dense_layers(tmp_path) -> None:
+    cfg = import_config(_hf("qwen2_moe", mlp_only_layers=[0], qkv_bias=False), tmp_path)
+    assert cfg.model.num_dense_layers == 1 and cfg.model.dense_hidden == 24 and not cfg.model.qkv_bias
+    assert cfg.train.run_dir == str(tmp_path)
+
+
+def test_export_of_an_unrepresentable_model_names_each_reason() -> None:
+    cfg = load_config(REPO / "configs" / "tiny.yaml")  # ungated shared expert, dense layer, no q/k norm
+    with pytest.raises(ConversionError, match=r"mixtral: .*shared.*qwen2_moe: .*gated.*olmoe"):
+        choose_adapter(cfg)
+    sigmoid = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, score_func="sigmoid"))
+    with pytest.raises(ConversionError, match="softmax"):
+        choose_adapter(dataclasses.replace(cfg, model=sigmoid), "qwen3_moe")
+
+
+def _readme_commands(section: str) -> list[str]:
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", body, re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+ENTRY = {"xmoe-convert": convert_main, "xmoe-train": train_main, "xmoe-generate": generate_main}
+
+
+def test_readme_hf_and_generation_commands_run(tmp_path, monkeypatch, capsys) -> None:
+    """Every command of the README's HuggingFace and Generation sections, in order, on a tiny model
+    (paths under tmp_path; training kept to two steps)."""
+    _run(MODELS["qwen3_moe"], tmp_path / "seed")
+    export_checkpoint(tmp_path / "seed", tmp_path / "path/to/Qwen3-30B-A3B")  # stands in for a download
+    monkeypatch.chdir(tmp_path)
+    text = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+    commands = _readme_commands("Checkpoints from and to HuggingFace") + _readme_commands("Generation")
+    assert [c.split()[0] for c in commands].count("xmoe-convert") == 2
+    for command in commands:
+        argv = [str(REPO / a) if a.startswith("configs/") else a for a in shlex.split(command)]
+        if argv[0] == "xmoe-train":  # two steps; the shipped text config's data path from here
+            argv += ["--set", "train.steps=2", "--set", "train.log_every=1", "--set", f"data.path={text}"]
+        assert ENTRY[argv[0]](argv[1:]) == 0, command
+    out = capsys.readouterr().out
+    assert "exported" in out and out.count("=== ") >= 3

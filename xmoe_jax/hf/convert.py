@@ -1,0 +1,160 @@
+"""Import and export: a HuggingFace directory <-> a run directory, through an adapter.
+
+Import (`import_checkpoint`):
+  1. read config.json, pick the adapter by `model_type`, make our Config (the adapter refuses
+     what we do not implement) and apply the user's dotted overrides (mesh, train, data, ...);
+  2. check the tensors: every one the model needs is there, none is left over;
+  3. build each parameter on the mesh from the tensors each device's shard covers;
+  4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state) and the source
+     config.json as hf_config.json (export starts from it: token ids and the like survive).
+Export (`export_checkpoint`):
+  1. read the run's config at `step`, pick the adapter (`arch`, else the first that can
+     represent the model, else an error with each adapter's reason);
+  2. restore the weights onto the run's mesh (or one given by overrides);
+  3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
+     a time into (sharded) safetensors, and config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+
+from xmoe_jax import sharding
+from xmoe_jax.config import Config, from_dict, override_dict, to_dict
+from xmoe_jax.hf import ADAPTERS, Adapter
+from xmoe_jax.hf.adapter import IGNORED_TENSORS
+from xmoe_jax.hf.mapping import ConversionError, check_keys, export_tensors, flat_leaves, load_leaf, nest
+from xmoe_jax.hf.safetensors_io import DEFAULT_SHARD_BYTES, Reader, write_sharded
+from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
+
+HF_CONFIG = "hf_config.json"  # the source config.json, kept in the run directory
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{hf_dir} has no config.json; pass a HuggingFace model directory")
+    return json.loads(path.read_text())
+
+
+def adapter_for(model_type: str | None) -> Adapter:
+    if model_type not in ADAPTERS:
+        raise ConversionError(
+            f"model_type {model_type!r} has no adapter; supported: {sorted(ADAPTERS)} (xmoe_jax/hf/)"
+        )
+    return ADAPTERS[model_type]
+
+
+def choose_adapter(cfg: Config, arch: str | None = None) -> Adapter:
+    """`arch`'s adapter if it can represent the model, else the first that can."""
+    candidates = [adapter_for(arch)] if arch else list(ADAPTERS.values())
+    reasons = {a.model_type: a.unsupported(cfg.model) for a in candidates}
+    for a in candidates:
+        if reasons[a.model_type] is None:
+            return a
+    detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+    raise ConversionError(f"the model cannot be written as a HuggingFace architecture here ({detail})")
+
+
+def import_config(hf: dict, out_dir: str | Path, overrides: list[str] | None = None) -> Config:
+    """Our Config for a HuggingFace config.json: its model, defaults elsewhere, run_dir = out_dir."""
+    model = adapter_for(hf.get("model_type")).to_model_config(hf)
+    data = to_dict(Config(model=model))
+    data["train"]["run_dir"] = str(out_dir)
+    return from_dict(override_dict(data, overrides))
+
+
+def _targets(spec: fmodel.ModelSpec, mesh, fsdp: bool) -> dict[str, jax.ShapeDtypeStruct]:
+    params_sh, bias_sh = fmodel.shardings(spec, mesh, fsdp)
+    out = {}
+    for name, shapes, shards in (
+        ("params", spec.params_shape, params_sh),
+        ("bias", spec.bias_shape, bias_sh),
+    ):
+        flat_sh = flat_leaves(shards, name)
+        for path, x in flat_leaves(shapes, name).items():
+            out[path] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=flat_sh[path])
+    return out
+
+
+def _rules_for(adapter: Adapter, cfg: Config, targets: dict) -> list:
+    rules = adapter.rules(cfg.model)
+    uncovered = sorted(set(targets) - {r.ours for r in rules})
+    unknown = sorted({r.ours for r in rules} - set(targets))
+    if uncovered or unknown:  # an adapter bug, or an override that changed the parameters
+        raise ConversionError(
+            f"{adapter.model_type}: parameters {uncovered} have no tensor and rules {unknown} no parameter; "
+            "do not override model.* keys that change the parameters"
+        )
+    return rules
+
+
+def load_hf_weights(hf_dir: str | Path, cfg: Config, mesh) -> tuple[dict, dict]:
+    """(params, bias) of a HuggingFace directory, each leaf placed on `mesh` as cfg says."""
+    adapter = adapter_for(read_hf_config(hf_dir).get("model_type"))
+    targets = _targets(fmodel.model_spec(cfg.model, cfg.parallel), mesh, cfg.mesh.fsdp)
+    rules = _rules_for(adapter, cfg, targets)
+    reader = Reader(hf_dir)
+    ignored = IGNORED_TENSORS + (("lm_head.weight",) if cfg.model.tie_embeddings else ())
+    num_dense = cfg.model.num_dense_layers
+    check_keys(reader, rules, targets, num_dense, ignored)
+    leaves = {r.ours: load_leaf(reader, r, targets[r.ours], num_dense) for r in rules}
+    return nest(leaves, "params"), nest(leaves, "bias")
+
+
+def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[str] | None = None) -> Config:
+    """Steps 1-4 of the module docstring; returns the Config written to out_dir/config.yaml."""
+    hf = read_hf_config(hf_dir)
+    cfg = import_config(hf, out_dir, overrides)
+    cfg.validate_for_devices(jax.device_count(), jax.process_count())
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        weights = load_hf_weights(hf_dir, cfg, mesh)
+        save_initial(cfg, weights, mesh)
+    shutil.copyfile(Path(hf_dir) / "config.json", Path(out_dir) / HF_CONFIG)
+    return cfg
+
+
+def hf_config(cfg: Config, adapter: Adapter, run_dir: str | Path, dtype: str) -> dict:
+    """config.json: the imported source's (same architecture) updated with the model's fields."""
+    source = Path(run_dir) / HF_CONFIG
+    base = json.loads(source.read_text()) if source.is_file() else {}
+    if base.get("model_type") != adapter.model_type:
+        base = {}
+    base.pop("torch_dtype", None)
+    return {**base, **adapter.to_hf_config(cfg.model), "dtype": dtype}
+
+
+def export_checkpoint(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    arch: str | None = None,
+    dtype: str = "float32",
+    overrides: list[str] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[str]:
+    """Steps 1-3 of the module docstring; returns the safetensors file names written."""
+    import ml_dtypes
+
+    cfg, step = read_run_config(run_dir, step, overrides)
+    adapter = choose_adapter(cfg, arch)
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"--dtype {dtype!r}: choose float32 (exact) or bfloat16")
+    cfg.validate_for_devices(jax.device_count(), jax.process_count())
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        params, bias = load_weights(run_dir, cfg, step, mesh)
+        leaves = {**flat_leaves(params, "params"), **flat_leaves(bias, "bias")}
+        rules = _rules_for(adapter, cfg, leaves)
+        np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else None
+        tensors = export_tensors(rules, leaves, cfg.model.num_dense_layers, np_dtype)
+        files = write_sharded(tensors, out_dir, max_shard_bytes)
+    config = hf_config(cfg, adapter, run_dir, dtype)
+    (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return files
