@@ -135,7 +135,9 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
     if plan.mesh.tensor > 1 and not cfg.parallel.ssmb:
         out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
     if cfg.parallel.dispatch in ("pft", "rbd") and cfg.parallel.recv_buffer_factor is None:
-        out.append("parallel.recv_buffer_factor=1.25: receive buffers near the average, not the worst case")
+        out.append(
+            "parallel.recv_buffer_factor=1.25 (with parallel.adaptive_buffers=true): buffers near the average"
+        )
     out.append(f"({over / GiB:.1f} GiB over)")
     return out
 
@@ -143,6 +145,7 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
 def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     """Compile cfg's train step for the devices JAX has and read back its memory."""
     from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.buffers import BufferLadder, applies
     from xmoe_jax.train.optimizer import make_optimizer
     from xmoe_jax.train.state import abstract_state, state_shardings
     from xmoe_jax.train.step import batch_sharding, make_train_step
@@ -150,6 +153,9 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     devices = jax.device_count()
     shape = cfg.validate_for_devices(devices)
     mesh = sharding.make_mesh(cfg.mesh)
+    # adaptive buffers: plan the rung training starts on (the ladder only grows it when routing needs)
+    ladder = BufferLadder(cfg.parallel, applies(cfg, sharding.axis_size(mesh, sharding.EXPERT_AXES)))
+    cfg = dataclasses.replace(cfg, parallel=ladder.parallel)
     spec = model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
