@@ -79,6 +79,12 @@ case "${1:-}" in
     cat "$OUT/steps.txt" ;;
   x2b)
     L="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0,1.0 --iters 10"
+    if [ -n "${PICK:-}" ]; then  # the depth x2c picked: rbd training at that depth first
+      set -- $PICK
+      S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
+      train_step "small$1_rbd" 200 45 $SMALL $S --set model.num_layers=$1 --set model.remat=$2 \
+        --set parallel.dispatch=rbd --set mesh.expert_nodes=2
+    fi
     step layer_rbd 170 python3 $L --modes rbd --transport bucketed --recv-buffer-factor auto --expert-nodes 2 \
       --no-exchange --out "$OUT/layer_rbd.json"
     step layer_overlap 130 python3 $L --modes pft --transport bucketed --recv-buffer-factor auto --no-exchange \
@@ -91,9 +97,9 @@ case "${1:-}" in
     # the deepest Small-width model that fits 2 GPUs: ask the planner on the real GPUs, deepest first
     S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
     pick=""
-    for cand in "28 save_dots" "28 full" "24 save_dots"; do
+    for cand in "28 save_dots" "28 full" "24 full"; do
       set -- $cand
-      step "plan_small$1_$2" 90 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 2 --real-devices $S \
+      step "plan_small$1_$2" 75 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 2 --real-devices $S \
         --set parallel.dispatch=pft --set model.num_layers=$1 --set model.remat=$2 --device-memory 128GiB \
         --out "$OUT/plan_small$1_$2.json"
       if grep -q ": fits" "$OUT/plan_small$1_$2.log"; then pick="$1 $2"; break; fi
@@ -101,9 +107,8 @@ case "${1:-}" in
     set -- $pick
     echo "picked layers=$1 remat=$2" | tee -a "$OUT/steps.txt"
     D="--set model.num_layers=$1 --set model.remat=$2"
-    train_step "small$1_pft" 300 120 $SMALL $S $D --set parallel.dispatch=pft
-    train_step "small$1_rbd" 200 60 $SMALL $S $D --set parallel.dispatch=rbd --set mesh.expert_nodes=2
-    train_step small4_pft 80 10 $SMALL $S --set model.num_layers=4 --set model.remat=$2 --set parallel.dispatch=pft
+    train_step "small$1_pft" 250 105 $SMALL $S $D --set parallel.dispatch=pft
+    train_step small4_pft 60 6 $SMALL $S --set model.num_layers=4 --set model.remat=$2 --set parallel.dispatch=pft
     summary ;;
   *) echo "usage: $0 h100a|h100b|x2a|x2b"; exit 2 ;;
 esac
