@@ -12,6 +12,7 @@ bf16 matmul measured on the same device in the same run.
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import tempfile
 
@@ -27,6 +28,8 @@ from xmoe_jax.train.loop import train  # noqa: E402
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("xmoe_jax").setLevel(logging.INFO)  # buffer changes, compile time
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])

@@ -82,17 +82,21 @@ case "${1:-}" in
     if [ -n "${PICK:-}" ]; then  # the depth x2c picked: rbd training at that depth first
       set -- $PICK
       S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
-      train_step "small$1_rbd" 200 45 $SMALL $S --set model.num_layers=$1 --set model.remat=$2 \
+      train_step "small$1_rbd" 170 40 $SMALL $S --set model.num_layers=$1 --set model.remat=$2 \
         --set parallel.dispatch=rbd --set mesh.expert_nodes=2
     fi
-    step layer_rbd 170 python3 $L --modes rbd --transport bucketed --recv-buffer-factor auto --expert-nodes 2 \
+    step layer_rbd 150 python3 $L --modes rbd --transport bucketed --recv-buffer-factor auto --expert-nodes 2 \
       --no-exchange --out "$OUT/layer_rbd.json"
-    step layer_overlap 130 python3 $L --modes pft --transport bucketed --recv-buffer-factor auto --no-exchange \
+    step layer_overlap 120 python3 $L --modes pft --transport bucketed --recv-buffer-factor auto --no-exchange \
       --skews 0 --overlap-chunks 2 --out "$OUT/layer_overlap.json"
-    step layer_emulated 130 python3 $L --modes pft --transport emulated --recv-buffer-factor auto --no-exchange \
-      --skews 0 --out "$OUT/layer_emulated.json"
-    for f in layer_rbd layer_overlap layer_emulated; do tail -5 "$OUT/$f.log"; done
+    for f in layer_rbd layer_overlap; do tail -5 "$OUT/$f.log"; done
+    summary
     cat "$OUT/steps.txt" ;;
+  x2d)  # x2c's pft run again (after the micro-batch peak fix): the adaptive ladder settles lower
+    S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
+    train_step small28_pft_v2 260 105 $SMALL $S --set model.num_layers=28 --set model.remat=full \
+      --set parallel.dispatch=pft
+    summary ;;
   x2c)
     # the deepest Small-width model that fits 2 GPUs: ask the planner on the real GPUs, deepest first
     S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
