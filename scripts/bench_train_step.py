@@ -12,8 +12,8 @@ bf16 matmul measured on the same device in the same run.
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
 import tempfile
 
 from xmoe_jax.xla_flags import apply_defaults
