@@ -120,11 +120,12 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         return []
     out = []
     over = plan.peak - plan.device_memory
-    if plan.state > plan.temporaries:
-        if not cfg.mesh.fsdp and plan.mesh.data > 1:
-            out.append("mesh.fsdp=true: parameters and optimizer state split over the data axis")
-        if cfg.model.moe is not None and cfg.model.moe.num_experts % (2 * plan.mesh.expert) == 0:
-            out.append(f"mesh.expert={2 * plan.mesh.expert}: half the experts per device")
+    if not cfg.mesh.fsdp and plan.mesh.data > 1:
+        out.append("mesh.fsdp=true: parameters and optimizer state split over the data axis")
+    elif not cfg.mesh.fsdp and plan.state > over:
+        out.append("a data axis with mesh.fsdp=true (fewer expert or tensor ranks): state split over data")
+    if cfg.model.moe is not None and cfg.model.moe.num_experts % (2 * plan.mesh.expert) == 0:
+        out.append(f"mesh.expert={2 * plan.mesh.expert}: half the experts per device")
     if cfg.model.remat == "none":
         out.append("model.remat=save_dots (or full): keep fewer activations per layer")
     elif cfg.model.remat != "full":
