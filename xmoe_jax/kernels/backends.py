@@ -231,6 +231,9 @@ class Shapes(Backend):
     name, fallback = "shapes", "xla"
     ops = frozenset({"gmm", "tgmm", "permute"})
 
+    def unavailable_reason(self) -> str | None:
+        return None if shapes.enabled() else "a memory-planning stand-in, on only with XMOE_KERNELS=shapes"
+
     def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
         n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
         return shapes.opaque(
