@@ -26,6 +26,21 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test module. XLA:CPU maps every JIT-compiled
+    kernel into its own memory regions (code, constants, data) and frees them only with the
+    executable; the whole suite in one process kept ~60,000 of them alive and crashed in XLA
+    (SIGSEGV / abort) at Linux's default vm.max_map_count of 65,530."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
     """One compilation cache for this process and the CLI subprocesses, for a module's tests."""
