@@ -191,6 +191,12 @@ class ParallelConfig:
       sharding annotations only (no shard_map), leaving placement to XLA's partitioner.
     sequence_parallel: under tensor parallelism, also split the residual stream's sequence over
       the tensor axis between blocks (norms, residual adds).
+    route_groups_by_node: group-limited routing (moe.num_groups, moe.topk_groups) is node-limited
+      routing: group g is exactly the experts of expert node g (experts are numbered node-major),
+      so a token's copies reach at most moe.topk_groups nodes. Needs moe.num_groups ==
+      mesh.expert_nodes (checked against the mesh at start-up); rbd then sizes its cross-node
+      send buffer by topk_groups pilots per token instead of min(top_k, nodes) and reports the
+      most nodes any token reached (`max_nodes_per_token`).
     """
 
     dispatch: Dispatch = "dense"
@@ -203,6 +209,7 @@ class ParallelConfig:
     expert_tensor_parallel: bool = False
     auto_shard: bool = False
     sequence_parallel: bool = False
+    route_groups_by_node: bool = False
 
     def __post_init__(self) -> None:
         p = "parallel."
@@ -573,12 +580,18 @@ class Config:
                 "set model.vocab_size >= 256",
             )
         moe = self.model.moe
+        _check(
+            moe is not None or not self.parallel.route_groups_by_node,
+            "parallel.route_groups_by_node needs MoE layers (model.moe); set it to false",
+        )
         if moe is not None:
             _check(
                 moe.num_experts % self.mesh.expert == 0,
                 f"moe.num_experts={moe.num_experts} is not divisible by mesh.expert={self.mesh.expert}; "
                 "choose an expert axis that divides the expert count",
             )
+            if self.parallel.route_groups_by_node:
+                check_groups_by_node(moe, self.mesh.expert_nodes)
             if self.parallel.expert_tensor_parallel:
                 _check(
                     moe.expert_hidden % self.mesh.tensor == 0,
@@ -619,6 +632,16 @@ class Config:
             f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",
         )
         return shape
+
+
+def check_groups_by_node(moe: MoEConfig, expert_nodes: int) -> None:
+    """parallel.route_groups_by_node: routing groups are expert nodes one to one."""
+    _check(
+        moe.num_groups == expert_nodes,
+        f"parallel.route_groups_by_node: moe.num_groups={moe.num_groups} must equal the expert nodes "
+        f"(mesh.expert_nodes={expert_nodes}) so that group g is node g's experts; set mesh.expert_nodes="
+        f"{moe.num_groups} or parallel.route_groups_by_node=false",
+    )
 
 
 # ----------------------------------------------------------------------------- loading
