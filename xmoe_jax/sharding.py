@@ -50,6 +50,7 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
+    "latent": None,  # MLA's compressed q / kv latents: small, replicated
     "mlp": "tensor",
     "experts": EXPERT_AXES,
     "expert_mlp": None,
@@ -68,6 +69,7 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
+    "latent": None,
     "mlp": "tensor",
     "vocab": "tensor",
     "experts": EXPERT_AXES,
