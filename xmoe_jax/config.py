@@ -327,6 +327,10 @@ class ModelConfig:
     attention_type: AttentionType = "mha"
     mla: MLAConfig | None = None
     rope_scaling: RopeScalingConfig | None = None  # null = plain RoPE
+    # multi-token prediction (DeepSeek-V3, model/mtp.py): `mtp_depth` extra blocks, each predicting one
+    # token further ahead, sharing the embedding and head; their mean loss is added times the weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     init_std: float = 0.02
     dtype: DType = "bfloat16"
     param_dtype: ParamDType = "float32"
@@ -376,6 +380,10 @@ class ModelConfig:
                 f"{p}num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}",
             )
             _check(self.head_size % 2 == 0, f"{p}head_dim={self.head_size} must be even for RoPE")
+        _check(
+            self.mtp_depth >= 0, f"{p}mtp_depth={self.mtp_depth} must be >= 0 (0 = no multi-token prediction)"
+        )
+        _check(self.mtp_loss_weight >= 0, f"{p}mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         _check(
             self.moe is not None or self.num_dense_layers == self.num_layers,
             f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",

@@ -1,4 +1,5 @@
-"""Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head.
+"""Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head, and
+optionally multi-token prediction modules (model/mtp.py, training only).
 
 Shapes: B batch, S sequence, T new tokens (generation), D model, V vocab, L layers of a
 stack. Pre-norm residual blocks; the output head is its own weight unless
@@ -13,7 +14,8 @@ that axis, so the program (and its compile time) does not grow with depth;
 (debugging; the same losses). Each block runs under the `model.remat` policy
 (xmoe_jax/remat.py). The blocks are created one after another from one RNG stream
 (embedding, dense layers, MoE layers, head: the order of the per-layer model this
-replaced), so initial weights do not depend on the layout.
+replaced; then the `mtp_layers` stack, so turning MTP on leaves the main model's initial
+weights as they were), so initial weights do not depend on the layout.
 
 The residual stream is laid out ("batch", "residual_seq", "embed"): batch over the
 token axes and, with `parallel.sequence_parallel`, the sequence split over the tensor
@@ -34,6 +36,7 @@ from xmoe_jax.model.block import RESIDUAL, Block, constrainer
 from xmoe_jax.model.kv_cache import KVCache
 from xmoe_jax.model.layers import RMSNorm, dtypes, param
 from xmoe_jax.model.loss import chunked_cross_entropy
+from xmoe_jax.model.mtp import MTPModule, mtp_loss
 from xmoe_jax.moe.stats import MoEStats
 from xmoe_jax.remat import remat
 
@@ -65,6 +68,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
+        if cfg.mtp_depth:
+            self.mtp_layers = _stack([MTPModule(cfg, rngs, parallel) for _ in range(cfg.mtp_depth)])
 
     def _run_stack(self, stack: Block, x_BSD: jax.Array):
         graphdef, state = nnx.split(stack)
@@ -85,6 +90,11 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
         """The final-normed hidden states [B,S,D] and the MoE statistics ([L] leaves) keyed by
         the MoE block's module path ("moe_layers/moe")."""
+        x_BSD, stats = self.hidden(tokens_BS)
+        return self.final_norm(x_BSD), stats
+
+    def hidden(self, tokens_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
+        """The last block's output [B,S,D] before the final norm, and the MoE statistics."""
         dt, _ = dtypes(self.cfg)
         constrain = constrainer(self.parallel)
         x_BSD = constrain(jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt), RESIDUAL)
@@ -94,7 +104,7 @@ class Transformer(nnx.Module):
                 x_BSD, stack_stats = self._run_stack(getattr(self, name), x_BSD)
                 if stack_stats is not None:
                     stats[f"{name}/moe"] = stack_stats
-        return self.final_norm(x_BSD), stats
+        return x_BSD, stats
 
     def decode(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Final-normed hidden states [B,T,D] of T new tokens per row, attending to the cache
@@ -125,6 +135,12 @@ class Transformer(nnx.Module):
         """Float32 logits [B,S,V] of final hidden states (evaluation, generation, tests)."""
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.head()).astype(jnp.float32)
         return constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
+
+    def mtp_loss(self, x_BSD: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
+        """The multi-token prediction loss (mean over depths, model/mtp.py) from the last block's
+        output before the final norm, and its modules' MoE statistics ("mtp_layers/block/moe")."""
+        loss, stats = mtp_loss(self, x_BSD, targets_BS)
+        return loss, ({"mtp_layers/block/moe": stats} if stats is not None else {})
 
     def loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy, chunked over the sequence (model.loss_chunk)."""
