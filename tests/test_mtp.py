@@ -46,15 +46,15 @@ def test_mtp_loss_equals_each_module_on_its_unpadded_prefix() -> None:
     assert stats["mtp_layers/block/moe"].tokens_per_expert.shape == (2, 8)  # [depth, E]
     # by hand: module k reads h^{k-1} and the embeddings of targets[k-1 : S-1] on S-k positions
     model = nnx.merge(spec.graphdef, params, bias)
-    h, _ = model.hidden(inputs)
-    assert float(ce) == pytest.approx(float(_ce(model, model.final_norm(h), targets)), rel=1e-6)
+    h, _ = model(inputs)
+    assert float(ce) == pytest.approx(float(_ce(model, h, targets)), rel=1e-6)
     graphdef, state = nnx.split(model.mtp_layers)
     losses = []
     for k in (1, 2):
         module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
         emb = jnp.take(params["embed"], targets[:, k - 1 : S - 1], axis=0)
-        h, out, _ = module(h[:, : S - k], emb)
-        losses.append(_ce(model, out, targets[:, k:]))
+        h, _ = module(h[:, : S - k], emb)
+        losses.append(_ce(model, h, targets[:, k:]))
     assert float(mtp) == pytest.approx(float(sum(losses) / 2), rel=1e-5)
 
 

@@ -112,11 +112,11 @@ def loss_terms(spec: ModelSpec, params: dict, bias: dict, inputs_BS: jax.Array, 
     """(cross-entropy, multi-token prediction loss (0 without `model.mtp_depth`), MoE statistics of
     every MoE block, MTP modules included): the terms of the training loss (train/step.py)."""
     model = nnx.merge(spec.graphdef, params, bias)
-    x_BSD, stats = model.hidden(inputs_BS)
-    ce = model.loss(model.final_norm(x_BSD), targets_BS)
+    h_BSD, stats = model(inputs_BS)
+    ce = model.loss(h_BSD, targets_BS)
     if not spec.cfg.mtp_depth:
         return ce, jnp.zeros((), jnp.float32), stats
-    mtp, mtp_stats = model.mtp_loss(x_BSD, targets_BS)
+    mtp, mtp_stats = model.mtp_loss(h_BSD, targets_BS)
     return ce, mtp, {**stats, **mtp_stats}
 
 

@@ -90,11 +90,6 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
         """The final-normed hidden states [B,S,D] and the MoE statistics ([L] leaves) keyed by
         the MoE block's module path ("moe_layers/moe")."""
-        x_BSD, stats = self.hidden(tokens_BS)
-        return self.final_norm(x_BSD), stats
-
-    def hidden(self, tokens_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
-        """The last block's output [B,S,D] before the final norm, and the MoE statistics."""
         dt, _ = dtypes(self.cfg)
         constrain = constrainer(self.parallel)
         x_BSD = constrain(jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt), RESIDUAL)
@@ -104,7 +99,7 @@ class Transformer(nnx.Module):
                 x_BSD, stack_stats = self._run_stack(getattr(self, name), x_BSD)
                 if stack_stats is not None:
                     stats[f"{name}/moe"] = stack_stats
-        return x_BSD, stats
+        return self.final_norm(x_BSD), stats
 
     def decode(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Final-normed hidden states [B,T,D] of T new tokens per row, attending to the cache
@@ -136,10 +131,10 @@ class Transformer(nnx.Module):
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.head()).astype(jnp.float32)
         return constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
 
-    def mtp_loss(self, x_BSD: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
-        """The multi-token prediction loss (mean over depths, model/mtp.py) from the last block's
-        output before the final norm, and its modules' MoE statistics ("mtp_layers/block/moe")."""
-        loss, stats = mtp_loss(self, x_BSD, targets_BS)
+    def mtp_loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
+        """The multi-token prediction loss (mean over depths, model/mtp.py) from the final-normed
+        hidden states, and its modules' MoE statistics ("mtp_layers/block/moe")."""
+        loss, stats = mtp_loss(self, h_BSD, targets_BS)
         return loss, ({"mtp_layers/block/moe": stats} if stats is not None else {})
 
     def loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> jax.Array:
