@@ -11,16 +11,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 TINY=configs/tiny_small_shape.yaml
 SMALL=configs/small.yaml
-step() {  # name timeout command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
-train_step() {  # name timeout steps config overrides...
-  local name=$1 limit=$2 steps=$3 config=$4; shift 4
-  step "$name" "$limit" python3 scripts/bench_train_step.py --config "$config" --steps "$steps" --out "$OUT/$name.json" "$@"
-}
 summary() {
   python3 - "$OUT" <<'EOF'
 import glob, json, os, sys

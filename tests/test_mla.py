@@ -192,3 +192,23 @@ def test_mla_fast_backends_match_xla_bf16_gpu(impl) -> None:
         results[name] = (fwd(state, x), *jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x))
     for a, b in zip(jax.tree.leaves(results[impl]), jax.tree.leaves(results["xla"]), strict=True):
         assert rel_err(a, b) < 2e-2
+
+
+def test_mla_config_is_checked_by_name() -> None:
+    from xmoe_jax.config import ConfigError
+
+    tiny = CONFIGS / "tiny.yaml"
+    with pytest.raises(ConfigError, match=r"attention_type='mla' needs the model\.mla section"):
+        load_config(tiny, ["model.attention_type=mla"])
+    with pytest.raises(ConfigError, match="model.mla is set but attention_type='mha'"):
+        load_config(tiny, ["model.mla.kv_lora_rank=16"])
+    with pytest.raises(ConfigError, match="leave num_kv_heads, qkv_bias and qk_norm"):
+        load_config(tiny, ["model.attention_type=mla", "model.mla.kv_lora_rank=16"])  # tiny has GQA
+    with pytest.raises(ConfigError, match="qk_rope_head_dim=3 must be even"):
+        MLAConfig(qk_rope_head_dim=3)
+    with pytest.raises(ConfigError, match=r"rope_scaling\.factor=0\.5 must be >= 1"):
+        RopeScalingConfig(factor=0.5)
+    ok = load_config(
+        tiny, ["model.attention_type=mla", "model.mla.kv_lora_rank=16", "model.num_kv_heads=null"]
+    )
+    assert ok.model.head_size == 128 + 64 and ok.model.value_head_size == 128

@@ -74,15 +74,21 @@ LAYOUTS = [  # (num_experts, top_k, data, expert, expert_nodes): nodes of 2 and 
 ]
 
 
+def _dropless_equals_dense(cfg: MoEConfig, par: ParallelConfig, mesh_cfg: MeshConfig):
+    """(params, x, statistics) of a dropless run that equals the dense oracle, with no overflow."""
+    params, x = _inputs(cfg)
+    got = _fn(cfg, par, mesh_cfg)(params, x)
+    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
+    aux = got[0][1][1]
+    assert int(aux.num_overflow) == 0
+    return params, x, aux
+
+
 @pytest.mark.parametrize("num_experts, top_k, data, expert, nodes", LAYOUTS)
 def test_rbd_dropless_equals_dense(num_experts, top_k, data, expert, nodes):
     cfg = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=16)
     mesh_cfg = MeshConfig(data=data, expert=expert, expert_nodes=nodes)
-    params, x = _inputs(cfg)
-    got = _fn(cfg, RBD, mesh_cfg)(params, x)
-    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
-    aux = got[0][1][1]
-    assert int(aux.num_overflow) == 0
+    params, x, aux = _dropless_equals_dense(cfg, RBD, mesh_cfg)
     # exactly one pilot row per distinct (token, destination node), per source device
     idx = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ params["router"]["kernel"]), top_k)[1])
     node = idx // (num_experts // nodes)
@@ -186,11 +192,7 @@ def test_node_limited_rbd_equals_dense_and_sends_at_most_m_rows_per_token(
     cfg = _node_limited(num_experts, top_k, nodes, limit)
     par = ParallelConfig(dispatch="rbd", route_groups_by_node=True)
     mesh_cfg = MeshConfig(data=data, expert=expert, expert_nodes=nodes)
-    params, x = _inputs(cfg)
-    got = _fn(cfg, par, mesh_cfg)(params, x)
-    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
-    aux = got[0][1][1]
-    assert int(aux.num_overflow) == 0
+    params, x, aux = _dropless_equals_dense(cfg, par, mesh_cfg)
     # per token, the distinct destination nodes of its routing (independent reference) are <= M,
     # and the pilots each device sent are exactly those
     idx, *_ = route_ref(np.asarray(x), np.asarray(params["router"]["kernel"]), None, cfg)

@@ -57,7 +57,7 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "router_experts": None,
     "norm": None,
 }
-FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data"}
+FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data", "latent": "data"}  # MLA's wq_b, wkv_b have no embed dim
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", *EXPERT_AXES),
