@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 
 from xmoe_jax.xla_flags import apply_defaults
@@ -27,6 +28,8 @@ from xmoe_jax.train.loop import train  # noqa: E402
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("xmoe_jax").setLevel(logging.INFO)  # buffer changes, compile time
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])

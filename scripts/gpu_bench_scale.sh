@@ -3,8 +3,9 @@
 #
 #   bash scripts/gpu_bench_scale.sh h100a    # one H100: kernel + attention GPU tests, train steps (XLA / cuDNN attention)
 #   bash scripts/gpu_bench_scale.sh h100b    # one H100: the planner on the real GPU, compile time 4 vs 28 layers
-#   bash scripts/gpu_bench_scale.sh x2a      # 2x H200: MoE layer and exchange transports, uniform and skewed routing
-#   bash scripts/gpu_bench_scale.sh x2b      # 2x H200: Small at depth, dropless pft and rbd with adaptive buffers
+#   bash scripts/gpu_bench_scale.sh x2a      # 2x H200: MoE layer, bucketed vs padded vs ragged, uniform and skewed; ragged repro
+#   bash scripts/gpu_bench_scale.sh x2b      # 2x H200: rbd layer (2 nodes x 1), overlap chunks, emulated transport
+#   bash scripts/gpu_bench_scale.sh x2c      # 2x H200: Small at depth (the deepest that fits), dropless pft and rbd
 #
 # Every step has its own timeout and writes a log and JSON under $OUT; a short table comes last.
 set -u
@@ -56,26 +57,52 @@ case "${1:-}" in
   x2a)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     L="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0,1.0 --iters 10"
-    step layer_bucketed 200 python3 $L --modes pft,padded:1.25 --transport bucketed --recv-buffer-factor auto \
+    step layer_bucketed 240 python3 $L --modes pft,padded:1.25 --transport bucketed --recv-buffer-factor auto \
       --stages pft --out "$OUT/layer_bucketed.json"
-    step layer_ragged 150 python3 $L --modes pft --transport ragged --recv-buffer-factor auto --no-exchange \
-      --out "$OUT/layer_ragged.json"
-    step layer_rbd 150 python3 $L --modes rbd --transport bucketed --recv-buffer-factor auto --expert-nodes 2 \
-      --no-exchange --out "$OUT/layer_rbd.json"
-    step layer_overlap 150 python3 $L --modes pft --transport bucketed --recv-buffer-factor auto --no-exchange \
-      --skews 0 --overlap-chunks 2 --out "$OUT/layer_overlap.json"
     for preset in default sendrecv; do  # why did the NCCL send/recv path hang? (XMOE_RAGGED_A2A presets)
-      XMOE_RAGGED_A2A=$preset step "repro_$preset" 45 python3 scripts/repro_ragged_sendrecv.py
+      XMOE_RAGGED_A2A=$preset step "repro_$preset" 50 python3 scripts/repro_ragged_sendrecv.py
       tail -2 "$OUT/repro_$preset.log"
     done
-    for f in layer_bucketed layer_ragged layer_rbd layer_overlap; do tail -8 "$OUT/$f.log"; done
+    step layer_ragged 150 python3 $L --modes pft --transport ragged --recv-buffer-factor auto --no-exchange \
+      --out "$OUT/layer_ragged.json"
+    tail -12 "$OUT/layer_bucketed.log"; tail -5 "$OUT/layer_ragged.log"
     cat "$OUT/steps.txt" ;;
   x2b)
-    S="--set train.batch_size=16 --set model.remat=save_dots --set train.micro_batch_size=8 --set mesh.expert=2
-       --set model.moe.capacity_factor=null"
-    train_step small28_pft 330 120 $SMALL $S --set parallel.dispatch=pft
-    train_step small28_rbd 230 100 $SMALL $S --set parallel.dispatch=rbd --set mesh.expert_nodes=2
-    train_step small4_pft 90 10 $SMALL $S --set parallel.dispatch=pft --set model.num_layers=4
+    L="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0,1.0 --iters 10"
+    if [ -n "${PICK:-}" ]; then  # the depth x2c picked: rbd training at that depth first
+      set -- $PICK
+      S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
+      train_step "small$1_rbd" 170 40 $SMALL $S --set model.num_layers=$1 --set model.remat=$2 \
+        --set parallel.dispatch=rbd --set mesh.expert_nodes=2
+    fi
+    step layer_rbd 150 python3 $L --modes rbd --transport bucketed --recv-buffer-factor auto --expert-nodes 2 \
+      --no-exchange --out "$OUT/layer_rbd.json"
+    step layer_overlap 120 python3 $L --modes pft --transport bucketed --recv-buffer-factor auto --no-exchange \
+      --skews 0 --overlap-chunks 2 --out "$OUT/layer_overlap.json"
+    for f in layer_rbd layer_overlap; do tail -5 "$OUT/$f.log"; done
+    summary
+    cat "$OUT/steps.txt" ;;
+  x2d)  # x2c's pft run again (after the micro-batch peak fix): the adaptive ladder settles lower
+    S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
+    train_step small28_pft_v2 260 105 $SMALL $S --set model.num_layers=28 --set model.remat=full \
+      --set parallel.dispatch=pft
+    summary ;;
+  x2c)
+    # the deepest Small-width model that fits 2 GPUs: ask the planner on the real GPUs, deepest first
+    S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
+    pick=""
+    for cand in "28 save_dots" "28 full" "24 full"; do
+      set -- $cand
+      step "plan_small$1_$2" 75 python3 -m xmoe_jax.cli_plan --config $SMALL --devices 2 --real-devices $S \
+        --set parallel.dispatch=pft --set model.num_layers=$1 --set model.remat=$2 --device-memory 128GiB \
+        --out "$OUT/plan_small$1_$2.json"
+      if grep -q ": fits" "$OUT/plan_small$1_$2.log"; then pick="$1 $2"; break; fi
+    done
+    set -- $pick
+    echo "picked layers=$1 remat=$2" | tee -a "$OUT/steps.txt"
+    D="--set model.num_layers=$1 --set model.remat=$2"
+    train_step "small$1_pft" 250 105 $SMALL $S $D --set parallel.dispatch=pft
+    train_step small4_pft 60 6 $SMALL $S --set model.num_layers=4 --set model.remat=$2 --set parallel.dispatch=pft
     summary ;;
   *) echo "usage: $0 h100a|h100b|x2a|x2b"; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ else
   export PYTHONPATH=$PWD
 fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}  # big models need more than the 75% default
 step() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trainer_parts
 from reference import rel_err
 
 from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig, load_config
@@ -49,17 +50,10 @@ def _cfg(tmp_path, *over):
 def _skewed_run(cfg, num_steps: int = STEPS):
     """num_steps train steps from a state whose router bias favours experts 0 and 1 (heavy skew)."""
     from xmoe_jax.data import make_input
-    from xmoe_jax.model.functional import model_spec
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import init_state, state_shardings
-    from xmoe_jax.train.step import batch_sharding
 
-    mesh = make_mesh(cfg.mesh)
+    p = trainer_parts.build(cfg)
+    mesh, opt, shardings, state, sh = p.mesh, p.optimizer, p.shardings, p.state, p.batch_sharding
     with jax.set_mesh(mesh):
-        spec = model_spec(cfg.model, cfg.parallel)
-        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, opt, mesh)
-        state = init_state(spec, opt, cfg, mesh, shardings)
         skew = jnp.zeros((cfg.model.moe.num_experts,)).at[:2].set(2.0)
         bias = jax.tree.map(lambda b: jax.device_put(b + skew, b.sharding), state.bias)
         state = state.replace(bias=bias)
@@ -67,7 +61,6 @@ def _skewed_run(cfg, num_steps: int = STEPS):
         data = make_input(
             cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, vocab_size=256
         )
-        sh = batch_sharding(mesh, cfg)
         losses, drops, overflow = [], [], []
         for step in range(1, num_steps + 1):
             batch = {k: jax.device_put(v, sh) for k, v in next(data).items()}
@@ -109,30 +102,15 @@ def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(tmp_path
 
 
 def test_an_overflowed_step_leaves_the_state_untouched(tmp_path):
-    from xmoe_jax.model.functional import model_spec
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import init_state, state_shardings
-    from xmoe_jax.train.step import batch_sharding, make_train_step
-
     cfg = _cfg(
         tmp_path,
         "parallel.dispatch=pft",
         "parallel.adaptive_buffers=false",
         "parallel.recv_buffer_factor=0.3",
     )
-    mesh = make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        spec = model_spec(cfg.model, cfg.parallel)
-        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, opt, mesh)
-        state = init_state(spec, opt, cfg, mesh, shardings)
-        before = jax.tree.map(np.asarray, state)
-        tokens = jax.device_put(
-            jax.random.randint(jax.random.key(0), (16, 16), 0, 256), batch_sharding(mesh, cfg)
-        )
-        after, metrics = make_train_step(spec, opt, cfg, mesh, shardings)(
-            state, {"inputs": tokens, "targets": tokens}
-        )
+    before = jax.tree.map(np.asarray, trainer_parts.build(cfg).state)
+    tokens = jax.random.randint(jax.random.key(0), (16, 16), 0, 256)
+    after, metrics = trainer_parts.one_step(cfg, tokens, tokens)
     assert int(metrics["num_overflow"]) > 0
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)  # params, optimizer, bias, step and RNG
@@ -236,3 +214,17 @@ def test_wire_and_routed_bytes_are_exact():
 def test_dispatch_mode_configs_keep_working_with_dataclass_replace():
     par = dataclasses.replace(ParallelConfig(dispatch="pft"), overlap_chunks=2)
     assert par.overlap_chunks == 2
+
+
+def test_micro_batch_statistics_keep_buffer_peaks_as_maxima(tmp_path):
+    """Counts add up over micro-batches; the fullest buffer is the max, not the sum (the ladder reads it)."""
+    over = ("parallel.dispatch=pft", "parallel.transport=bucketed", "parallel.adaptive_buffers=false")
+    whole, m_whole = _one_step(_cfg(tmp_path / "w", *over))
+    micro, m_micro = _one_step(_cfg(tmp_path / "m", *over, "train.micro_batch_size=8"))
+    assert float(m_micro["peak_ratio"]) < 1.5 * float(m_whole["peak_ratio"])  # not ~2x: a max
+    np.testing.assert_array_equal(m_micro["tokens_per_expert"], m_whole["tokens_per_expert"])
+
+
+def _one_step(cfg):
+    tokens = jax.random.randint(jax.random.key(0), (16, 16), 0, 256)
+    return trainer_parts.one_step(cfg, tokens, tokens)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import trainer_parts
 from reference import rel_err
 
 from xmoe_jax.config import MeshConfig, ParallelConfig, load_config
@@ -215,21 +216,7 @@ def _step_cfg(tmp_path, *over):
 
 
 def _one_step(cfg):
-    from xmoe_jax.model.functional import model_spec
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import init_state, state_shardings
-    from xmoe_jax.train.step import batch_sharding, make_train_step
-
-    mesh = make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh):
-        spec = model_spec(cfg.model, cfg.parallel)
-        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, opt, mesh)
-        state = init_state(spec, opt, cfg, mesh, shardings)
-        x, y = _batch(5)
-        sh = batch_sharding(mesh, cfg)
-        batch = {"inputs": jax.device_put(x, sh), "targets": jax.device_put(y, sh)}
-        return make_train_step(spec, opt, cfg, mesh, shardings)(state, batch)
+    return trainer_parts.one_step(cfg, *_batch(5))
 
 
 def test_micro_batches_give_the_same_update(tmp_path):

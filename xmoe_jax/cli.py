@@ -196,7 +196,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ.setdefault("XMOE_KERNELS", "pallas")
+        os.environ.setdefault("XMOE_KERNELS", "shapes")
     from xmoe_jax.xla_flags import apply_defaults
 
     apply_defaults()

@@ -340,6 +340,9 @@ class ModelConfig:
     remat: RematMode = "none"
     # layers run as a scan over stacked parameters (compile time flat in depth); true = a Python loop
     unroll_layers: bool = False
+    # layers per scan iteration (jax.lax.scan's unroll): compile time grows with it, not with depth;
+    # the number of layers = straight-line code inside one iteration (fastest on GPU: benchmarks/scale.md)
+    scan_unroll: int = 1
     # cross-entropy in chunks of this many sequence positions (never [B,S,V] float32 logits); 0 = whole
     loss_chunk: int = 512
     moe: MoEConfig | None = field(default_factory=MoEConfig)
@@ -389,6 +392,7 @@ class ModelConfig:
             f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",
         )
         _check(self.loss_chunk >= 0, f"{p}loss_chunk={self.loss_chunk} must be >= 0 (0 = no chunking)")
+        _check(self.scan_unroll >= 1, f"{p}scan_unroll={self.scan_unroll} must be >= 1")
 
     @property
     def kv_heads(self) -> int:

@@ -125,11 +125,12 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         return []
     out = []
     over = plan.peak - plan.device_memory
-    if plan.state > plan.temporaries:
-        if not cfg.mesh.fsdp and plan.mesh.data > 1:
-            out.append("mesh.fsdp=true: parameters and optimizer state split over the data axis")
-        if cfg.model.moe is not None and cfg.model.moe.num_experts % (2 * plan.mesh.expert) == 0:
-            out.append(f"mesh.expert={2 * plan.mesh.expert}: half the experts per device")
+    if not cfg.mesh.fsdp and plan.mesh.data > 1:
+        out.append("mesh.fsdp=true: parameters and optimizer state split over the data axis")
+    elif not cfg.mesh.fsdp and plan.state > over:
+        out.append("a data axis with mesh.fsdp=true (fewer expert or tensor ranks): state split over data")
+    if cfg.model.moe is not None and cfg.model.moe.num_experts % (2 * plan.mesh.expert) == 0:
+        out.append(f"mesh.expert={2 * plan.mesh.expert}: half the experts per device")
     if cfg.model.remat == "none":
         out.append("model.remat=save_dots (or full): keep fewer activations per layer")
     elif cfg.model.remat != "full":
@@ -140,7 +141,9 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
     if plan.mesh.tensor > 1 and not cfg.parallel.ssmb:
         out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
     if cfg.parallel.dispatch in ("pft", "rbd") and cfg.parallel.recv_buffer_factor is None:
-        out.append("parallel.recv_buffer_factor=1.25: receive buffers near the average, not the worst case")
+        out.append(
+            "parallel.recv_buffer_factor=1.25 (with parallel.adaptive_buffers=true): buffers near the average"
+        )
     out.append(f"({over / GiB:.1f} GiB over)")
     return out
 
@@ -166,6 +169,7 @@ def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, lis
 def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     """Compile cfg's train step for the devices JAX has and read back its memory."""
     from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.train.buffers import BufferLadder, applies
     from xmoe_jax.train.optimizer import make_optimizer
     from xmoe_jax.train.state import abstract_state, state_shardings
     from xmoe_jax.train.step import batch_sharding, make_train_step
@@ -174,6 +178,9 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     shape = cfg.validate_for_devices(devices)
     cfg, notes = as_trained(cfg, shape, jax.devices()[0].platform == "cpu")
     mesh = sharding.make_mesh(cfg.mesh)
+    # adaptive buffers: plan the rung training starts on (the ladder only grows it when routing needs)
+    ladder = BufferLadder(cfg.parallel, applies(cfg, sharding.axis_size(mesh, sharding.EXPERT_AXES)))
+    cfg = dataclasses.replace(cfg, parallel=ladder.parallel)
     spec = model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)

@@ -5,6 +5,7 @@ Backends (`implementation=`), one object each in IMPLEMENTATIONS:
   "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
   "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
   "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
+  "shapes"  shape-only stand-ins for compile-time memory planning (kernels/shapes.py), never numbers.
 
 A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,
 missing package) and why it cannot take one call (`shape_reason`: shapes, dtypes, tile), and
@@ -23,9 +24,10 @@ import functools
 import warnings
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
-from xmoe_jax.kernels import defaults
+from xmoe_jax.kernels import defaults, shapes
 from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
 from xmoe_jax.kernels.gmm import pallas as gmm_pallas
 from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
@@ -223,7 +225,42 @@ class Mosaic(Backend):
         return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile)
 
 
-IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (Xla(), Pallas(), Triton(), Mosaic())}
+class Shapes(Backend):
+    """Shape-only stand-ins (shapes.py): for compile-time memory planning on CPU, never for numbers."""
+
+    name, fallback = "shapes", "xla"
+    ops = frozenset({"gmm", "tgmm", "permute"})
+
+    def unavailable_reason(self) -> str | None:
+        return None if shapes.enabled() else "a memory-planning stand-in, on only with XMOE_KERNELS=shapes"
+
+    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+        n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+        return shapes.opaque(
+            jax.ShapeDtypeStruct((lhs_RK.shape[0], n_dim), out_dtype), lhs_RK, rhs_EKN, group_sizes_E
+        )
+
+    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+        out = jax.ShapeDtypeStruct((group_sizes_E.shape[0], lhs_RK.shape[1], grad_RN.shape[1]), out_dtype)
+        return shapes.opaque(out, lhs_RK, grad_RN, group_sizes_E)
+
+    def permute(self, x_TD, dest_TK, weights_TK, num_rows):
+        extra = () if weights_TK is None else (weights_TK,)
+        return shapes.opaque(
+            jax.ShapeDtypeStruct((num_rows, x_TD.shape[1]), x_TD.dtype), x_TD, dest_TK, *extra
+        )
+
+    def combine(self, y_RD, dest_TK, weights_TK):
+        extra = () if weights_TK is None else (weights_TK,)
+        return shapes.opaque(
+            jax.ShapeDtypeStruct((dest_TK.shape[0], y_RD.shape[1]), y_RD.dtype), y_RD, dest_TK, *extra
+        )
+
+    def gather_dot(self, a_TD, b_RD, dest_TK):
+        return shapes.opaque(jax.ShapeDtypeStruct(dest_TK.shape, jnp.float32), a_TD, b_RD, dest_TK)
+
+
+IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (Xla(), Pallas(), Triton(), Mosaic(), Shapes())}
 
 
 def check_name(implementation: str | None) -> None:

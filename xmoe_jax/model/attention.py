@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax import sharding
+from xmoe_jax.kernels import shapes
 from xmoe_jax.kernels.platform import platform
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
@@ -78,6 +79,8 @@ def choose(implementation: str, q, k) -> str:
     """The backend that will run: `auto`'s pick, or the requested one unless it cannot (then xla)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if shapes.enabled():  # memory planning: a flash-attention-sized stand-in (kernels/shapes.py)
+        return "shapes"
     if implementation == "auto":
         preferred = {"cuda": "cudnn", "rocm": "pallas"}.get(platform(), "xla")
         return preferred if _REASONS[preferred](q, k) is None else "xla"
@@ -129,6 +132,26 @@ def _per_shard(fn, shard_names, q_BSHK, k_BSGK, v_BSGK):
     )(q_BSHK, k_BSGK, v_BSGK)
 
 
+@jax.custom_vjp
+def _shapes(q_BSHK, k_BSGK, v_BSGK):
+    return shapes.opaque(jax.ShapeDtypeStruct(q_BSHK.shape, q_BSHK.dtype), q_BSHK, k_BSGK, v_BSGK)
+
+
+def _shapes_fwd(q_BSHK, k_BSGK, v_BSGK):
+    o_BSHK = _shapes(q_BSHK, k_BSGK, v_BSGK)
+    b, s, h, _ = q_BSHK.shape
+    lse_BHS = shapes.opaque(jax.ShapeDtypeStruct((b, h, s), jnp.float32), q_BSHK)  # flash keeps it
+    return o_BSHK, (q_BSHK, k_BSGK, v_BSGK, o_BSHK, lse_BHS)
+
+
+def _shapes_bwd(res, g_BSHK):
+    grads = [shapes.opaque(jax.ShapeDtypeStruct(a.shape, a.dtype), *res, g_BSHK) for a in res[:3]]
+    return tuple(grads)
+
+
+_shapes.defvjp(_shapes_fwd, _shapes_bwd)
+
+
 def attend(
     q_BSHK: jax.Array,
     k_BSGK: jax.Array,
@@ -149,6 +172,8 @@ def attend(
     impl = choose(implementation, q_BSHK, k_BSGK)
     if impl == "pallas":
         o_BSHK = _per_shard(functools.partial(_pallas, scale=scale), shard_names, q_BSHK, k_BSGK, v_BSGK)
+    elif impl == "shapes":  # the stand-in has only shapes: the scale changes nothing it models
+        o_BSHK = _per_shard(_shapes, shard_names, q_BSHK, k_BSGK, v_BSGK)
     else:
         o_BSHK = jax.nn.dot_product_attention(
             q_BSHK,

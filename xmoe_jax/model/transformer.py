@@ -79,7 +79,7 @@ class Transformer(nnx.Module):
 
         layer = remat(layer, self.cfg.remat)
         if not self.cfg.unroll_layers:
-            return jax.lax.scan(layer, x_BSD, state)
+            return jax.lax.scan(layer, x_BSD, state, unroll=self.cfg.scan_unroll)
         num_layers = jax.tree.leaves(state)[0].shape[0]
         outs = []
         for i in range(num_layers):

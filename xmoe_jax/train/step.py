@@ -34,8 +34,9 @@ from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats
 from xmoe_jax.train.state import TrainState
 
-# statistics of micro-batches: summed (counts) or averaged (rates, losses)
+# statistics of micro-batches: summed (counts), averaged (rates, losses) or the max (buffer peaks)
 _MEAN_STATS = ("drop_rate", "aux_loss", "z_loss")
+_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio")
 
 
 def update_router_biases(bias: dict, stats: dict[str, MoEStats], rate: float) -> dict:
@@ -65,7 +66,13 @@ def _combine_micro(stats_N: MoEStats) -> MoEStats:
     """Statistics of N micro-batches ([N, L, ...] leaves) as those of the whole step."""
     return MoEStats(
         *(
-            None if v is None else (v.mean(0) if name in _MEAN_STATS else v.sum(0))
+            None
+            if v is None
+            else v.mean(0)
+            if name in _MEAN_STATS
+            else v.max(0)
+            if name in _MAX_STATS
+            else v.sum(0)
             for name, v in zip(MoEStats._fields, stats_N, strict=True)
         )
     )

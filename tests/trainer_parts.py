@@ -1,0 +1,45 @@
+"""The trainer's pieces built the way the loop builds them, for tests that drive steps themselves."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from xmoe_jax.config import Config
+from xmoe_jax.model.functional import model_spec
+from xmoe_jax.sharding import make_mesh
+from xmoe_jax.train.optimizer import make_optimizer
+from xmoe_jax.train.state import init_state, state_shardings
+from xmoe_jax.train.step import batch_sharding, make_train_step
+
+
+class Parts(NamedTuple):
+    mesh: object
+    spec: object
+    optimizer: object
+    shardings: object
+    state: object  # the initial TrainState
+    batch_sharding: object
+
+
+def build(cfg: Config) -> Parts:
+    """Mesh, model spec, optimizer, state shardings and initial state of `cfg` (call under the mesh)."""
+    mesh = make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        spec = model_spec(cfg.model, cfg.parallel)
+        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+        shardings = state_shardings(spec, opt, mesh)
+        state = init_state(spec, opt, cfg, mesh, shardings)
+    return Parts(mesh, spec, opt, shardings, state, batch_sharding(mesh, cfg))
+
+
+def one_step(cfg: Config, inputs, targets):
+    """(state, metrics) after one train step of `cfg` from its initial state on (inputs, targets)."""
+    p = build(cfg)
+    with jax.set_mesh(p.mesh):
+        batch = {
+            "inputs": jax.device_put(inputs, p.batch_sharding),
+            "targets": jax.device_put(targets, p.batch_sharding),
+        }
+        return make_train_step(p.spec, p.optimizer, cfg, p.mesh, p.shardings)(p.state, batch)
