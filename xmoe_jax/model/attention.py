@@ -37,6 +37,7 @@ from xmoe_jax.kernels.platform import platform
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 PALLAS_BLOCK = 128  # the kernel's default q/k block: S must be a multiple of min(S, 128)
+PALLAS_WIDE_BLOCK = 64  # head dims padded past 128 (MLA's 192 -> 256): 128-row blocks overflow shared memory
 
 
 def _cudnn_reason(q, k) -> str | None:
@@ -91,6 +92,10 @@ def choose(implementation: str, q, k) -> str:
     return implementation
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _pallas(q_BSHK, k_BSGK, v_BSGK, scale=None):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -98,7 +103,8 @@ def _pallas(q_BSHK, k_BSGK, v_BSGK, scale=None):
     if groups > 1:  # the kernel indexes k/v by query head
         k_BSGK, v_BSGK = (jnp.repeat(a, groups, axis=2) for a in (k_BSGK, v_BSGK))
     seq = q_BSHK.shape[1]
-    block = min(seq, PALLAS_BLOCK)
+    wide = _next_power_of_2(q_BSHK.shape[-1]) > 128  # the kernel pads the head dim to a power of 2
+    block = min(seq, PALLAS_WIDE_BLOCK if wide else PALLAS_BLOCK)
     sizes = pallas_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=min(block, 32), block_kv_dkv=min(block, 32),
         block_q_dq=min(block, 32), block_kv_dq=min(block, 32),
