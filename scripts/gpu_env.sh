@@ -5,6 +5,7 @@
 #   train_step NAME TIMEOUT STEPS CONFIG ARGS  scripts/bench_train_step.py as a step, JSON in $OUT/NAME.json
 #                                              ($SHAPES: --set overrides added to every train step;
 #                                              $MATMUL_SIZE: the same-run matmul ceiling's n, default 8192)
+#   summary                                    the short table (scripts/gpu_summary.py) and steps.txt
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -25,4 +26,8 @@ train_step() {  # name timeout steps config overrides...
   # shellcheck disable=SC2086  # SHAPES is a list of --set overrides
   step "$name" "$limit" python3 scripts/bench_train_step.py --config "$config" --steps "$steps" \
     --out "$OUT/$name.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} "$@" ${SHAPES:-}
+}
+summary() {  # the short table: one line per JSON under $OUT, then the steps' rc and times
+  python3 scripts/gpu_summary.py "$OUT"
+  cat "$OUT/steps.txt"
 }
