@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument(
+        "--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul ceiling (CPU checks: small)"
+    )
     args = p.parse_args()
 
     window = max(args.steps // 3, 1)
@@ -50,7 +53,7 @@ def main() -> None:
         result = train(cfg)
     last = result.records[-1]
     memory = jax.local_devices()[0].memory_stats() or {}
-    ceiling = dense_matmul_tflops()
+    ceiling = dense_matmul_tflops(args.matmul_size)
     out = {
         **environment(),
         "config": args.config,

@@ -12,32 +12,6 @@ set -u
 source "$(dirname "$0")/gpu_env.sh"
 TINY=configs/tiny_small_shape.yaml
 SMALL=configs/small.yaml
-step() {  # name timeout command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
-}
-train_step() {  # name timeout steps config overrides...
-  local name=$1 limit=$2 steps=$3 config=$4; shift 4
-  step "$name" "$limit" python3 scripts/bench_train_step.py --config "$config" --steps "$steps" --out "$OUT/$name.json" "$@"
-}
-summary() {
-  python3 - "$OUT" <<'EOF'
-import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    r = json.load(open(path))
-    if "tokens_per_s" in r:
-        print(f"{os.path.basename(path):<40} tok/s {r['tokens_per_s']:>10.0f}  TFLOP/s {r['tflops_per_device']:6.1f}  "
-              f"MFU {100 * (r['mfu_vs_datasheet'] or 0):5.1f}%  first step {r['first_step_s'] or 0:6.1f}s  "
-              f"peak {(r['peak_bytes_in_use'] or 0) / 2**30:6.1f} GiB  loss {r['first_loss']:.3f}->{r['final_loss']:.3f}  "
-              f"{r.get('exchange', {})}")
-    elif "peak" in r:
-        print(f"{os.path.basename(path):<40} plan peak {r['peak'] / 2**30:6.2f} GiB  temp {r['temporaries'] / 2**30:6.2f} GiB  "
-              f"compile {r['compile_s']:6.1f}s")
-EOF
-  cat "$OUT/steps.txt"
-}
 
 case "${1:-}" in
   h100a)

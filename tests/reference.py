@@ -216,3 +216,93 @@ def attention_ref(x_SD, wq_DHK, wk_DGK, wv_DGK, wo_HKD, theta: float, bias=None,
             logits = q[s, h] @ k[: s + 1, h].T / math.sqrt(head_dim)
             out[s, h] = softmax(logits) @ v[: s + 1, h]
     return np.einsum("shk,hkd->sd", out, wo)
+
+
+# ----------------------------------------------------------------------------- multi-head latent attention
+
+
+def yarn_freqs_ref(dim: int, base: float, yarn: dict | None):
+    """Rotary frequencies of the dim/2 pairs: base^(-2i/dim), or YaRN's blend as DeepSeek's
+    reference code defines it (yarn_find_correction_range, yarn_linear_ramp_mask): a ramp over the
+    pair index between floor(low) and ceil(high), the dims turning beta_fast and beta_slow times
+    over the original context; pair i keeps (1 - ramp_i) of its own frequency and takes ramp_i of
+    the frequency divided by `factor`."""
+    freqs = [base ** (-2 * i / dim) for i in range(dim // 2)]
+    if yarn is None:
+        return freqs
+
+    def turns_to_dim(turns):
+        return (
+            dim
+            * math.log(yarn["original_max_position_embeddings"] / (turns * 2 * math.pi))
+            / (2 * math.log(base))
+        )
+
+    low = max(math.floor(turns_to_dim(yarn["beta_fast"])), 0)
+    high = min(math.ceil(turns_to_dim(yarn["beta_slow"])), dim - 1)
+    out = []
+    for i, f in enumerate(freqs):
+        ramp = min(max((i - low) / (high - low if high != low else 0.001), 0.0), 1.0)
+        out.append(f / yarn["factor"] * ramp + f * (1 - ramp))
+    return out
+
+
+def yarn_mscale_ref(scale: float, m: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rotate_pairs_ref(vec, pos: int, freqs, pairs, factor: float):
+    """A copy of `vec` with each pair (a, b) of `pairs` rotated by pos * freq, times `factor`."""
+    out = np.array(vec, dtype=np.float64)
+    for (a, b), f in zip(pairs, freqs, strict=True):
+        c, s = math.cos(pos * f) * factor, math.sin(pos * f) * factor
+        out[a], out[b] = vec[a] * c - vec[b] * s, vec[b] * c + vec[a] * s
+    return out
+
+
+def mla_ref(x_SD, w: dict, num_heads: int, dims: dict, theta: float, eps: float, yarn=None, interleave=True):
+    """Causal multi-head latent attention of one sequence, from DeepSeek-V2's equations (9)-(19)
+    with the released models' RMSNorms on the query and key/value latents and V3's YaRN:
+
+      c^KV_t = norm(W^DKV h_t),  [k^C_{t,i}; v^C_{t,i}] = W^UKV c^KV_t,  k^R_t = RoPE(W^KR h_t)
+      q_t = W^Q h_t  or  W^UQ norm(W^DQ h_t);  q_{t,i} = [q^C_{t,i}; RoPE(q^R_{t,i})]
+      o_{t,i} = sum_{j<=t} softmax_j(q_{t,i} . [k^C_{j,i}; k^R_j] * scale) v^C_{j,i},  u_t = W^O o_t
+
+    `w`: wq [D,H,K] or wq_a [D,Q] + q_norm [Q] + wq_b [Q,H,K]; wkv_a [D,C+R] (W^DKV and W^KR);
+    kv_norm [C]; wkv_b [C,H,N+U]; wo [H,U,D]. `dims`: C, N, R, U. RoPE pairs are adjacent dims
+    (interleave) or the two halves of the R dims; scale = (N+R)^-1/2 * mscale(factor, mscale_all_dim)^2
+    with YaRN, whose cos and sin carry mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+    """
+    x = f64(x_SD)
+    w = {k: f64(v) for k, v in w.items()}
+    C, N, R = dims["C"], dims["N"], dims["R"]
+    seq = x.shape[0]
+    if "wq" in w:
+        q = np.einsum("sd,dhk->shk", x, w["wq"])
+    else:
+        q = np.einsum("sq,qhk->shk", rms_norm_ref(x @ w["wq_a"], w["q_norm"], (-1,), eps), w["wq_b"])
+    kv = x @ w["wkv_a"]
+    c = rms_norm_ref(kv[:, :C], w["kv_norm"], (-1,), eps)
+    k_rope = kv[:, C:]
+    kv_b = np.einsum("sc,chx->shx", c, w["wkv_b"])
+    k_nope, v = kv_b[..., :N], kv_b[..., N:]
+    freqs = yarn_freqs_ref(R, theta, yarn)
+    pairs = (
+        [(2 * i, 2 * i + 1) for i in range(R // 2)]
+        if interleave
+        else [(i, i + R // 2) for i in range(R // 2)]
+    )
+    factor, scale = 1.0, (N + R) ** -0.5
+    if yarn is not None:
+        factor = yarn_mscale_ref(yarn["factor"], yarn["mscale"]) / yarn_mscale_ref(
+            yarn["factor"], yarn["mscale_all_dim"]
+        )
+        scale *= yarn_mscale_ref(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+    out = np.zeros((seq, num_heads, v.shape[-1]))
+    for t in range(seq):
+        k_r = [rotate_pairs_ref(k_rope[j], j, freqs, pairs, factor) for j in range(t + 1)]
+        for i in range(num_heads):
+            q_ti = np.concatenate([q[t, i, :N], rotate_pairs_ref(q[t, i, N:], t, freqs, pairs, factor)])
+            logits = np.array([q_ti @ np.concatenate([k_nope[j, i], k_r[j]]) * scale for j in range(t + 1)])
+            out[t, i] = softmax(logits) @ v[: t + 1, i]
+    return np.einsum("shu,hud->sd", out, w["wo"])

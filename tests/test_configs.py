@@ -34,6 +34,9 @@ def test_configs_are_shipped() -> None:
         "super",
         "deepseek_moe_16b",
         "tiny_small_shape",
+        "deepseek_v2_lite",
+        "deepseek_v3",
+        "tiny_deepseek",
     }
     assert expected <= names
 

@@ -1,4 +1,5 @@
-"""Generation: KV-cached decoding equals the full-sequence forward; sampling; the mesh."""
+"""Generation: KV-cached decoding equals the full-sequence forward (MHA with q/k/v bias and q/k
+norms; MLA with its latent cache: configs/tiny_deepseek.yaml); sampling; the mesh."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ NUM_NEW = 6
 
 
 @functools.cache
-def _model():
+def _model(kind: str = "mha"):
+    if kind == "mla":  # latent cache, YaRN, query latent; sigmoid routing with a non-zero bias
+        cfg = load_config(CONFIGS / "tiny_deepseek.yaml", ["model.dtype=float32"]).model
+        spec = model_spec(cfg)
+        params, bias = init_params(spec, jax.random.key(0))
+        bias = jax.tree.map(lambda b: 0.1 * jax.random.normal(jax.random.key(2), b.shape), bias)
+        return spec, params, bias
     cfg = load_config(CONFIGS / "tiny.yaml", ["model.dtype=float32"]).model
     cfg = dataclasses.replace(cfg, qkv_bias=True, qk_norm="head")  # the new attention options too
     spec = model_spec(cfg)
@@ -51,18 +58,22 @@ def _full_forward_greedy(spec, params, bias, prompts, num_new) -> list[list[int]
     return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
-def test_greedy_equals_full_forward() -> None:
-    spec, params, bias = _model()
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_greedy_equals_full_forward(kind) -> None:
+    spec, params, bias = _model(kind)
     got = generate(spec, params, bias, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0))
     assert got == _full_forward_greedy(spec, params, bias, PROMPTS, NUM_NEW)
 
 
-def test_prefill_and_decode_logits_equal_full_forward() -> None:
-    spec, params, bias = _model()
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_prefill_and_decode_logits_equal_full_forward(kind) -> None:
+    spec, params, bias = _model(kind)
     tokens = np.asarray([[0, 0, 0, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7]], np.int32)  # row 0 left-padded
     first = np.asarray([3, 0], np.int32)
     decode = jax.jit(functools.partial(fmodel.decode, spec))
     cache = init_cache(spec.cfg, 2, 9, first)
+    if kind == "mla":  # the latent and the RoPE key: C + R numbers per token and layer
+        assert [a.shape[-1] for a in cache.kv["moe_layers"]] == [32, 8]
     prefill, cache = decode(params, bias, tokens[:, :-1], cache)
     step, cache = decode(params, bias, tokens[:, -1:], cache)
     assert int(cache.index) == 7
@@ -73,8 +84,9 @@ def test_prefill_and_decode_logits_equal_full_forward() -> None:
         assert rel_err(step[b], full[0, -1]) < 1e-5
 
 
-def test_greedy_on_the_training_mesh_equals_one_device() -> None:
-    spec, params, bias = _model()
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_greedy_on_the_training_mesh_equals_one_device(kind) -> None:
+    spec, params, bias = _model(kind)
     want = generate(spec, params, bias, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0))
     mesh = make_mesh(MeshConfig(data=2, expert=4))
     pft = model_spec(spec.cfg, ParallelConfig(dispatch="pft"))

@@ -3,9 +3,13 @@
 Tiny random models are built with `transformers` from configs made here (no download), saved
 with `save_pretrained`, imported, and our logits must equal theirs on the same tokens (float32);
 our export must load in `transformers` and give the same logits, its tensors bitwise the source's.
+DeepSeek-V3's multi-token prediction module, which `save_pretrained` does not hold, is checked
+through our export against transformers' MtpModel.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import numpy as np
 import pytest
@@ -56,7 +60,47 @@ CASES = {
         **_COMMON, num_hidden_layers=2, intermediate_size=24, num_experts=4, eos_token_id=1, pad_token_id=0
     ),
 }
+_YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
+_MLA = dict(
+    vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2,
+    num_hidden_layers=3, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+    first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+    max_position_embeddings=256,
+)  # fmt: skip
+CASES.update(
+    {
+        # MLA without a query latent, interleaved RoPE, YaRN with mscale 0.707, 2 shared experts,
+        # softmax top-k without renormalisation (DeepSeek-V2-Lite's shape)
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(
+            **_MLA,
+            q_lora_rank=None,
+            n_shared_experts=2,
+            rope_scaling={**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+        ),
+        # query latent, sigmoid routing in 2 groups (1 kept) with a correction bias, scaled weights
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **_MLA,
+            q_lora_rank=12,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            rope_scaling={**_YARN, "mscale": 1.0, "mscale_all_dim": 0.5},
+        ),
+        # rotate-half RoPE without scaling, no groups, tied embeddings
+        "deepseek_v3_plain": lambda: transformers.DeepseekV3Config(
+            **_MLA,
+            q_lora_rank=12,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            rope_interleave=False,
+            tie_word_embeddings=True,
+        ),
+    }
+)
 TOKENS = np.random.default_rng(0).integers(0, 96, (2, 12))
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _hf_logits(model, tokens) -> np.ndarray:
@@ -74,6 +118,9 @@ def converted(request, tmp_path_factory):
     with torch.no_grad():  # every weight random, norm scales around one, biases off zero
         for p in model.parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing correction bias
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     root = tmp_path_factory.mktemp(arch)
     model.save_pretrained(root / "hf")
     argv = ["import", "--hf-dir", str(root / "hf"), "--out", str(root / "run"), "--set", "mesh.expert=4"]
@@ -116,3 +163,41 @@ def test_bfloat16_sharded_export_loads(converted, tmp_path) -> None:
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert rel_err(_hf_logits(loaded, TOKENS), _hf_logits(model, TOKENS)) < 0.05  # bf16 weights
+
+
+def test_deepseek_v3_mtp_module_matches_transformers_mtp_model(tmp_path) -> None:
+    """Our MTP module (configs/tiny_deepseek.yaml, random weights) exported as DeepSeek's layer L
+    loads in transformers' MtpModel; its logits for the next-next token equal ours."""
+    from flax import nnx
+    from test_hf_convert import _run
+    from transformers.modeling_layers import MtpModel
+
+    from xmoe_jax.config import load_config
+    from xmoe_jax.hf.convert import export_checkpoint
+
+    model_cfg = load_config(REPO / "configs" / "tiny_deepseek.yaml", ["model.dtype=float32"]).model
+    _run(model_cfg, tmp_path / "run")
+    export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    main = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager"
+    ).eval()
+    # transformers finds MTP tensors by the pattern DeepSeek-V3's 61 layers register (model.layers.61)
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{model_cfg.num_layers}.*"]
+    mtp = MtpModel.from_pretrained(main).eval()
+    tokens, following = (np.random.default_rng(i).integers(0, 256, (2, 10)) for i in (0, 1))
+    with torch.no_grad():
+        h = main(torch.tensor(tokens), output_hidden_states=True).hidden_states[-1]  # final-normed
+        positions = torch.arange(10)[None].expand(2, -1)
+        want = mtp._project_to_logits(
+            mtp.forward_layer(0, h, positions, None, input_ids=torch.tensor(following))
+        )
+    cfg, step = read_run_config(tmp_path / "run", None, [])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        params, bias = load_weights(tmp_path / "run", cfg, step, mesh)
+    ours = nnx.merge(fmodel.model_spec(cfg.model).graphdef, params, bias)
+    h_ours, _ = ours(tokens)
+    graphdef, state = nnx.split(ours.mtp_layers)
+    module = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+    out, _ = module(h_ours, jax.numpy.take(params["embed"], following, axis=0))
+    assert rel_err(ours.logits(out), want.numpy()) < 1e-5

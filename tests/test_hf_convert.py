@@ -17,7 +17,15 @@ import pytest
 
 from xmoe_jax import sharding
 from xmoe_jax.cli import convert_main, generate_main, train_main
-from xmoe_jax.config import Config, ModelConfig, MoEConfig, TrainConfig, load_config
+from xmoe_jax.config import (
+    Config,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScalingConfig,
+    TrainConfig,
+    load_config,
+)
 from xmoe_jax.hf import ADAPTERS, ConversionError
 from xmoe_jax.hf import safetensors_io as st
 from xmoe_jax.hf.convert import choose_adapter, export_checkpoint, import_checkpoint, import_config
@@ -54,6 +62,32 @@ MODELS = {
         **{**_BASE, "head_dim": None}, num_dense_layers=0, qk_norm="full", moe=MoEConfig(**_MOE)
     ),
 }
+_MLA_BASE = dict(
+    vocab_size=256, hidden=32, num_layers=3, num_heads=4, dtype="float32", num_dense_layers=1, dense_hidden=48,
+    attention_type="mla",
+)  # fmt: skip
+MODELS["deepseek_v2"] = ModelConfig(
+    **_MLA_BASE,
+    mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    rope_scaling=RopeScalingConfig(
+        factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707
+    ),
+    moe=MoEConfig(**_MOE, num_shared_experts=2, norm_topk_prob=False),
+)
+MODELS["deepseek_v3"] = ModelConfig(  # with a multi-token prediction module
+    **_MLA_BASE,
+    mla=MLAConfig(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    rope_scaling=RopeScalingConfig(factor=4.0, original_max_position_embeddings=64),
+    mtp_depth=1,
+    moe=MoEConfig(
+        **_MOE,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        num_groups=2,
+        topk_groups=1,
+        routed_scaling_factor=2.5,
+    ),
+)
 
 
 def _run(model: ModelConfig, run_dir: pathlib.Path) -> Config:
@@ -93,7 +127,8 @@ def test_export_then_import_is_bitwise(arch: str, tmp_path) -> None:
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["model_type"] == arch and hf["architectures"] == [ADAPTERS[arch].architecture]
     cfg = import_checkpoint(tmp_path / "hf", tmp_path / "back")
-    for name in ("rope_theta", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "num_dense_layers"):
+    names = ("rope_theta", "norm_eps", "qkv_bias", "qk_norm", "tie_embeddings", "num_dense_layers")
+    for name in (*names, "attention_type", "mla", "rope_scaling", "mtp_depth"):
         assert getattr(cfg.model, name) == getattr(MODELS[arch], name), name
     assert cfg.model.moe.norm_topk_prob == MODELS[arch].moe.norm_topk_prob
     _assert_bitwise(_weights(tmp_path / "back"), _weights(tmp_path / "run"))
@@ -154,6 +189,39 @@ def _hf(model_type: str, **changes) -> dict:
     return {**hf, **changes}
 
 
+def _deepseek(version: str, **changes) -> dict:
+    hf = {"model_type": f"deepseek_{version}", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3}
+    hf.update(num_attention_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8)
+    hf.update(num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16)
+    hf.update(q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    return {**hf, **changes}
+
+
+def test_deepseek_config_keys_map_to_ours(tmp_path) -> None:
+    """DeepSeek-V3 as its release writes config.json (rope_scaling and rope_theta, not
+    rope_parameters); MTP modules come from the files, not num_nextn_predict_layers."""
+    yarn = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32}
+    hf = _deepseek("v3", q_lora_rank=12, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_theta=5e4)
+    hf.update(
+        rope_scaling={**yarn, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        num_nextn_predict_layers=1,
+    )
+    model = import_config(hf, tmp_path).model
+    assert (model.attention_type, model.mla.q_lora_rank, model.mla.rope_interleave) == ("mla", 12, True)
+    assert (
+        model.rope_theta == 5e4
+        and model.rope_scaling.factor == 40
+        and model.rope_scaling.mscale_all_dim == 1.0
+    )
+    assert (model.moe.num_groups, model.moe.topk_groups, model.moe.routed_scaling_factor) == (2, 1, 2.5)
+    assert model.moe.score_func == "sigmoid" and model.mtp_depth == 0
+    with_mtp = import_config(hf, tmp_path, tensor_keys={"model.layers.3.eh_proj.weight"}).model
+    assert with_mtp.mtp_depth == 1
+    # mscale keys absent read as 0 (transformers: cos/sin by mscale(factor), softmax scale untouched)
+    bare = import_config(_deepseek("v2", rope_scaling=yarn), tmp_path).model.rope_scaling
+    assert bare.mscale == bare.mscale_all_dim == 0.0
+
+
 @pytest.mark.parametrize(
     "hf, match",
     [
@@ -168,6 +236,14 @@ def _hf(model_type: str, **changes) -> dict:
         (_hf("olmoe", clip_qkv=8.0), "clip_qkv"),
         (_hf("olmoe", hidden_act="gelu"), "hidden_act"),
         (_hf("mixtral", num_experts_per_tok=8), "top_k=8"),
+        (_hf("mixtral", rope_scaling={"type": "yarn", "factor": 4}), "YaRN for DeepSeek-V2/V3 only"),
+        (_deepseek("v3", quantization_config={"quant_method": "fp8"}), "quantized .fp8.; dequantize"),
+        (_deepseek("v2", topk_method="group_limited_greedy"), "topk_method='group_limited_greedy'"),
+        (_deepseek("v2", norm_topk_prob=True), "norm_topk_prob=true"),
+        (_deepseek("v3", moe_layer_freq=2), "moe_layer_freq=2"),
+        (_deepseek("v3", num_key_value_heads=2), "num_key_value_heads"),
+        (_deepseek("v3", rope_scaling={"type": "dynamic", "factor": 2.0}), "'dynamic'"),
+        (_deepseek("v3", n_shared_experts=0), "n_shared_experts"),
     ],
 )
 def test_unsupported_configs_are_refused_by_name(hf: dict, match: str, tmp_path) -> None:

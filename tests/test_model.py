@@ -22,7 +22,7 @@ from xmoe_jax.sharding import PARAM_RULES, logical_to_spec, make_mesh
 from xmoe_jax.train.step import stack_layers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-FULL_SIZE = ["small", "medium", "large", "super", "deepseek_moe_16b"]
+FULL_SIZE = ["small", "medium", "large", "super", "deepseek_moe_16b", "deepseek_v2_lite", "deepseek_v3"]
 B, S = 8, 16
 
 
@@ -47,7 +47,8 @@ def test_full_size_spec_matches_param_count(name: str) -> None:
     assert sum(math.prod(x.shape) for x in leaves) == count_params(cfg).total
     assert all(x.dtype == jnp.dtype(cfg.param_dtype) for x in leaves)
     bias_leaves = jax.tree.leaves(spec.bias_shape)
-    assert sum(x.shape[0] for x in bias_leaves) == (cfg.num_moe_layers if cfg.moe.has_router_bias else 0)
+    moe_blocks = cfg.num_moe_layers + cfg.mtp_depth  # an MTP module's block is MoE too
+    assert sum(x.shape[0] for x in bias_leaves) == (moe_blocks if cfg.moe.has_router_bias else 0)
     _check_logical(spec)
 
 
@@ -61,7 +62,7 @@ def _check_logical(spec) -> None:
             assert isinstance(names, tuple) and len(names) == len(x.shape), (path, names, x.shape)
             assert all(n is None or n in PARAM_RULES for n in names), (path, names)
             logical_to_spec(names, PARAM_RULES)  # every name has a rule
-            stacked = getattr(path[0], "key", None) in ("dense_layers", "moe_layers")
+            stacked = getattr(path[0], "key", None) in ("dense_layers", "moe_layers", "mtp_layers")
             assert (names[0] == "layers") == stacked, (path, names)  # a layer stack's leading axis
             if any(getattr(k, "key", None) == "experts" for k in path):
                 assert names[stacked] == "experts", (path, names)

@@ -9,7 +9,7 @@ import pathlib
 import jax
 import pytest
 
-from xmoe_jax.config import ModelConfig, MoEConfig, load_config
+from xmoe_jax.config import MLAConfig, ModelConfig, MoEConfig, load_config
 from xmoe_jax.model import model_spec
 from xmoe_jax.params import count_params, format_param_table, paper_units
 
@@ -33,6 +33,22 @@ def test_deepseek_moe_16b_matches_published_counts() -> None:
     pc = count_params(_model("deepseek_moe_16b"))
     assert pc.total == pytest.approx(16.4e9, abs=0.05e9)
     assert pc.active == pytest.approx(2.8e9, abs=0.05e9)
+
+
+def test_deepseek_v2_lite_and_v3_match_published_counts() -> None:
+    """V2-Lite: 15.7B total, 2.4B active; V3: 671B total (685B with the MTP module, whose 14B also
+    hold copies of the embedding and head), 37B active. DeepSeek counts active parameters
+    without the input embedding (params.py)."""
+    lite = count_params(_model("deepseek_v2_lite"))
+    assert lite.total == pytest.approx(15.7e9, abs=0.05e9) and lite.breakdown["mtp"] == 0
+    assert lite.active_without_input_embedding == pytest.approx(2.4e9, abs=0.06e9)
+    v3 = count_params(_model("deepseek_v3"))
+    assert v3.main == pytest.approx(671e9, abs=0.5e9)
+    # the published 14B is 685B - 671B; the module with its copies is 13.46B, the sum 684.5B
+    embed_and_head = v3.breakdown["embed"] + v3.breakdown["lm_head"]
+    assert v3.breakdown["mtp"] + embed_and_head == pytest.approx(14e9, abs=0.6e9)
+    assert v3.total + embed_and_head == pytest.approx(685e9, abs=0.6e9)
+    assert v3.active_without_input_embedding == pytest.approx(37e9, abs=0.5e9)
 
 
 # Hand-computed: V=10 D=8 L=3 H=2 KV=1 Dh=4 Fd=16 (swiglu, 1 dense layer);
@@ -76,12 +92,40 @@ def test_tiny_hand_computed() -> None:
         "router": router,
         "routed_experts": routed,
         "shared_experts": shared,
+        "mtp": 0,
     }
     assert pc.total == 2696
     assert pc.embedding == 160
     assert pc.active == 2696 - 1152 + 2 * 2 * (3 * 8 * 6)  # 2120
     assert pc.non_embedding == 2696 - 160
     assert sum(pc.breakdown.values()) == pc.total
+
+
+MLA = MLAConfig(kv_lora_rank=4, q_lora_rank=3, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3)
+
+
+@pytest.mark.parametrize("q_lora", [3, None])
+def test_mla_and_mtp_hand_computed_and_match_the_spec(q_lora) -> None:
+    mla = dataclasses.replace(MLA, q_lora_rank=q_lora)
+    cfg = dataclasses.replace(TINY, attention_type="mla", mla=mla, num_kv_heads=None, head_dim=None)
+    # per layer, H=2 D=8 C=4 N=R=2 U=3: queries (8 + 2*4) * 3 with a [3] norm, or 8 * 2*4;
+    # wkv_a 8 * (4+2), wkv_b 4 * 2*(2+3), wo 2*3 * 8, kv norm [4]
+    q, q_norm = (48, 3) if q_lora else (64, 0)
+    attention = q + 48 + 40 + 48
+    pc = count_params(cfg)
+    assert pc.breakdown["attention"] == 3 * attention
+    assert pc.breakdown["norms"] == 56 + 3 * (q_norm + 4)
+    mtp = dataclasses.replace(cfg, mtp_depth=2)
+    # an MTP module: eh_proj 2*8*8, a MoE block (attention, router 32, experts 576, shared 152),
+    # enorm, hnorm, out norm and the block's two norms (5 * 8), the latents' norms
+    module = 128 + attention + 32 + 576 + 152 + 40 + q_norm + 4
+    pm = count_params(mtp)
+    assert pm.breakdown["mtp"] == 2 * module and pm.main == pc.total
+    assert pm.active == pc.active  # MTP is not part of the main model's active parameters
+    assert pm.mtp_active == 2 * (128 + attention + 32 + 2 * 144 + 152 + 80)  # top-2 experts, the head
+    for c in (cfg, mtp):
+        spec = model_spec(c)
+        assert sum(math.prod(x.shape) for x in jax.tree.leaves(spec.params_shape)) == count_params(c).total
 
 
 def test_gelu_has_two_matrices_swiglu_three() -> None:

@@ -65,3 +65,14 @@ def test_cli_plans_for_fake_devices(tmp_path):
     assert "4 devices (fake CPU devices" in done.stdout and "fits" in done.stdout
     data = json.loads(out.read_text())
     assert data["devices"] == 4 and data["mesh"]["expert_per_node"] == 4
+
+
+def test_plan_compiles_the_step_the_trainer_runs_first():
+    """Dropless pft with adaptive buffers: planned at the ladder's first rung (1.25x) with the
+    transport a GPU resolves `auto` to (bucketed), each said in a note; fixed buffers plan as set."""
+    base = ["mesh.expert=8", "parallel.dispatch=pft", "model.moe.capacity_factor=null"]
+    adaptive = plan(load_config(TINY, base))
+    assert any("1.25x the average load" in n for n in adaptive.notes)
+    assert any("bucketed" in n for n in adaptive.notes) and "note: " in adaptive.table()
+    worst = plan(load_config(TINY, [*base, "parallel.adaptive_buffers=false", "parallel.transport=emulated"]))
+    assert worst.notes == [] and worst.temporaries > adaptive.temporaries

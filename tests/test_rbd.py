@@ -1,10 +1,12 @@
-"""RBD: exact against the dense oracle / PFT, and exactly one pilot per (token, node).
+"""RBD: exact against the dense oracle / PFT, exactly one pilot per (token, node), and with
+node-limited routing at most M = topk_groups pilots per token.
 
 8 fake CPU devices; the expert group is expert_nodes x devices per node (node-major).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -12,11 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import route_ref
 
-from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig, ParallelConfig
+from xmoe_jax.config import Config, ConfigError, MeshConfig, ModelConfig, MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.moe.rbd import stage2_spec
-from xmoe_jax.perf.rbd_cost import expected_distinct_nodes, predict, uniform_saving
+from xmoe_jax.perf.rbd_cost import (
+    expected_distinct_nodes,
+    node_limited_distinct_nodes,
+    predict,
+    uniform_saving,
+)
 from xmoe_jax.sharding import make_mesh
 
 DIM, TOKENS = 16, 64
@@ -66,15 +74,21 @@ LAYOUTS = [  # (num_experts, top_k, data, expert, expert_nodes): nodes of 2 and 
 ]
 
 
+def _dropless_equals_dense(cfg: MoEConfig, par: ParallelConfig, mesh_cfg: MeshConfig):
+    """(params, x, statistics) of a dropless run that equals the dense oracle, with no overflow."""
+    params, x = _inputs(cfg)
+    got = _fn(cfg, par, mesh_cfg)(params, x)
+    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
+    aux = got[0][1][1]
+    assert int(aux.num_overflow) == 0
+    return params, x, aux
+
+
 @pytest.mark.parametrize("num_experts, top_k, data, expert, nodes", LAYOUTS)
 def test_rbd_dropless_equals_dense(num_experts, top_k, data, expert, nodes):
     cfg = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=16)
     mesh_cfg = MeshConfig(data=data, expert=expert, expert_nodes=nodes)
-    params, x = _inputs(cfg)
-    got = _fn(cfg, RBD, mesh_cfg)(params, x)
-    _assert_same(got, _fn(cfg, DENSE, None)(params, x))
-    aux = got[0][1][1]
-    assert int(aux.num_overflow) == 0
+    params, x, aux = _dropless_equals_dense(cfg, RBD, mesh_cfg)
     # exactly one pilot row per distinct (token, destination node), per source device
     idx = np.asarray(jax.lax.top_k(jax.nn.softmax(x @ params["router"]["kernel"]), top_k)[1])
     node = idx // (num_experts // nodes)
@@ -155,3 +169,68 @@ def test_cost_model_matches_design_figures():
     draws = np.stack([rng.choice(64, 6, replace=False) for _ in range(4000)])
     mc = predict(64, 6, 4, tokens=4000, topk_idx_TK=draws)["rbd_rows"] / 4000
     assert abs(mc - expected_distinct_nodes(64, 6, 4)) < 0.05
+
+
+# ----------------------------------------------------------------------------- node-limited routing
+
+NODE_LIMITED = [  # (num_experts, top_k, data, expert, nodes, M = topk_groups): 2 and 4 nodes
+    (16, 4, 1, 8, 2, 1),  # 2 nodes of 4 devices: every token's copies on one node
+    (16, 6, 2, 4, 4, 2),  # 4 single-device nodes, 4 experts per device
+    (32, 6, 1, 8, 4, 2),  # 4 nodes of 2 devices
+]
+
+
+def _node_limited(num_experts, top_k, nodes, limit):
+    cfg = MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=16, score_func="sigmoid")
+    return dataclasses.replace(cfg, num_groups=nodes, topk_groups=limit)
+
+
+@pytest.mark.parametrize("num_experts, top_k, data, expert, nodes, limit", NODE_LIMITED)
+def test_node_limited_rbd_equals_dense_and_sends_at_most_m_rows_per_token(
+    num_experts, top_k, data, expert, nodes, limit
+):
+    cfg = _node_limited(num_experts, top_k, nodes, limit)
+    par = ParallelConfig(dispatch="rbd", route_groups_by_node=True)
+    mesh_cfg = MeshConfig(data=data, expert=expert, expert_nodes=nodes)
+    params, x, aux = _dropless_equals_dense(cfg, par, mesh_cfg)
+    # per token, the distinct destination nodes of its routing (independent reference) are <= M,
+    # and the pilots each device sent are exactly those
+    idx, *_ = route_ref(np.asarray(x), np.asarray(params["router"]["kernel"]), None, cfg)
+    nodes_T = np.asarray([len(set(row)) for row in idx // (num_experts // nodes)])
+    assert nodes_T.max() <= limit
+    local = TOKENS // (data * expert)
+    assert np.asarray(aux.pilot_rows).tolist() == nodes_T.reshape(-1, local).sum(1).tolist()
+    assert (np.asarray(aux.pilot_rows) <= limit * local).all()
+    assert int(np.max(aux.max_nodes_per_token)) == nodes_T.max()
+    # the bound is not vacuous: without the node limit some token reaches more than M nodes
+    free = _node_limited(num_experts, top_k, nodes, nodes)
+    free_idx, *_ = route_ref(np.asarray(x), np.asarray(params["router"]["kernel"]), None, free)
+    assert max(len(set(row)) for row in free_idx // (num_experts // nodes)) > limit
+
+
+def test_route_groups_by_node_is_checked_against_the_mesh():
+    cfg = _node_limited(16, 4, 4, 2)
+    par = ParallelConfig(dispatch="rbd", route_groups_by_node=True)
+    with pytest.raises(
+        ConfigError, match=r"num_groups=4 must equal the expert nodes \(mesh.expert_nodes=2\)"
+    ):
+        Config(model=ModelConfig(moe=cfg), mesh=MeshConfig(expert=8, expert_nodes=2), parallel=par)
+    params, x = _inputs(cfg)
+    with pytest.raises(ConfigError, match="mesh.expert_nodes=2"):  # a library call on the wrong mesh
+        moe_layer(params, x, cfg, par, mesh=make_mesh(MeshConfig(data=1, expert=8, expert_nodes=2)))
+
+
+def test_node_limited_cost_model():
+    # DeepSeek-V3: E=256, k=8, 8 groups on 8 nodes, M=4: at most 4 rows per token, ~3.63 uniform
+    assert predict(256, 8, 8, tokens=1, max_nodes=4)["max_rows_per_token"] == 4
+    assert node_limited_distinct_nodes(256, 8, 8, 4) == pytest.approx(3.629, abs=1e-3)
+    assert node_limited_distinct_nodes(256, 8, 8, 4) < expected_distinct_nodes(256, 8, 8)
+    rng = np.random.default_rng(0)  # Monte Carlo: 4 random nodes, then 8 experts among theirs
+    draws = []
+    for _ in range(4000):
+        chosen = rng.choice(8, 4, replace=False)
+        pool = (chosen[:, None] * 32 + np.arange(32)).reshape(-1)
+        draws.append(rng.choice(pool, 8, replace=False))
+    measured = predict(256, 8, 8, tokens=4000, topk_idx_TK=np.stack(draws))
+    assert abs(measured["rbd_rows"] / 4000 - node_limited_distinct_nodes(256, 8, 8, 4)) < 0.05
+    assert measured["max_rows_per_token"] <= 4

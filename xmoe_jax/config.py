@@ -33,6 +33,8 @@ AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
 NanPolicy = Literal["stop", "skip"]
 QKNorm = Literal["none", "head", "full"]
+AttentionType = Literal["mha", "mla"]
+RopeScalingType = Literal["yarn"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
@@ -191,6 +193,12 @@ class ParallelConfig:
       sharding annotations only (no shard_map), leaving placement to XLA's partitioner.
     sequence_parallel: under tensor parallelism, also split the residual stream's sequence over
       the tensor axis between blocks (norms, residual adds).
+    route_groups_by_node: group-limited routing (moe.num_groups, moe.topk_groups) is node-limited
+      routing: group g is exactly the experts of expert node g (experts are numbered node-major),
+      so a token's copies reach at most moe.topk_groups nodes. Needs moe.num_groups ==
+      mesh.expert_nodes (checked against the mesh at start-up); rbd then sizes its cross-node
+      send buffer by topk_groups pilots per token instead of min(top_k, nodes) and reports the
+      most nodes any token reached (`max_nodes_per_token`).
     """
 
     dispatch: Dispatch = "dense"
@@ -203,6 +211,7 @@ class ParallelConfig:
     expert_tensor_parallel: bool = False
     auto_shard: bool = False
     sequence_parallel: bool = False
+    route_groups_by_node: bool = False
 
     def __post_init__(self) -> None:
         p = "parallel."
@@ -229,6 +238,70 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): every head's keys and values are
+    expanded from one compressed latent per token, which is all the KV cache keeps.
+
+    kv_lora_rank: C, the latent's size (RMS-normed before the expansion).
+    q_lora_rank: queries through a low-rank latent of this size with its own norm (V3: 1536);
+      None: one full query projection (V2-Lite).
+    qk_nope_head_dim: N, per-head query/key dims without position information.
+    qk_rope_head_dim: R, per-head query dims under RoPE; the key's R RoPE dims are one vector
+      shared by all heads. A head's query/key has N + R dims, its value `v_head_dim` (U).
+    rope_interleave: RoPE rotates adjacent pairs of dims (DeepSeek's checkpoints) instead of the
+      two halves.
+    """
+
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        p = "model.mla."
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) >= 1, f"{p}{name}={getattr(self, name)} must be >= 1")
+        _check(
+            self.q_lora_rank is None or self.q_lora_rank >= 1,
+            f"{p}q_lora_rank={self.q_lora_rank} must be >= 1 (or null for a full query projection)",
+        )
+        _check(self.qk_rope_head_dim % 2 == 0, f"{p}qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """YaRN RoPE scaling, as DeepSeek-V2/V3's config.json `rope_scaling` (model/rope.py): the rotary
+    frequencies blend interpolation (divided by `factor`) and extrapolation between the dims that
+    turn `beta_fast` and `beta_slow` times over `original_max_position_embeddings`; cos and sin are
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), and MLA's softmax scale by
+    mscale(factor, mscale_all_dim)^2, where mscale(s, m) = 0.1 m ln(s) + 1."""
+
+    type: RopeScalingType = "yarn"
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def __post_init__(self) -> None:
+        p = "model.rope_scaling."
+        _check_choices(self, p)
+        _check(self.factor >= 1, f"{p}factor={self.factor} must be >= 1")
+        _check(
+            self.original_max_position_embeddings >= 1,
+            f"{p}original_max_position_embeddings must be >= 1",
+        )
+        _check(self.beta_fast > self.beta_slow > 0, f"{p}beta_fast must be > beta_slow > 0")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: first `num_dense_layers` dense, the rest MoE."""
 
@@ -250,6 +323,14 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: QKNorm = "none"
     tie_embeddings: bool = False
+    # multi-head latent attention (DeepSeek-V2/V3) instead of MHA/GQA: `mla` holds its sizes
+    attention_type: AttentionType = "mha"
+    mla: MLAConfig | None = None
+    rope_scaling: RopeScalingConfig | None = None  # null = plain RoPE
+    # multi-token prediction (DeepSeek-V3, model/mtp.py): `mtp_depth` extra blocks, each predicting one
+    # token further ahead, sharing the embedding and head; their mean loss is added times the weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     init_std: float = 0.02
     dtype: DType = "bfloat16"
     param_dtype: ParamDType = "float32"
@@ -275,16 +356,37 @@ class ModelConfig:
             0 <= self.num_dense_layers <= self.num_layers,
             f"{p}num_dense_layers={self.num_dense_layers} must be in [0, num_layers={self.num_layers}]",
         )
-        if self.head_dim is None:
+        if self.attention_type == "mla":
             _check(
-                self.hidden % self.num_heads == 0,
-                f"{p}hidden={self.hidden} is not divisible by num_heads={self.num_heads}; set model.head_dim",
+                self.mla is not None,
+                f"{p}attention_type='mla' needs the {p}mla section (kv_lora_rank, q_lora_rank, "
+                "qk_nope_head_dim, qk_rope_head_dim, v_head_dim)",
             )
+            _check(
+                self.kv_heads == self.num_heads and not self.qkv_bias and self.qk_norm == "none",
+                f"{p}attention_type='mla' has one key/value head per query head and its own norms: "
+                "leave num_kv_heads, qkv_bias and qk_norm at their defaults",
+            )
+        else:
+            _check(
+                self.mla is None,
+                f"{p}mla is set but attention_type={self.attention_type!r}; set {p}attention_type=mla "
+                f"or {p}mla=null",
+            )
+            if self.head_dim is None:
+                _check(
+                    self.hidden % self.num_heads == 0,
+                    f"{p}hidden={self.hidden} is not divisible by num_heads={self.num_heads}; set model.head_dim",
+                )
+            _check(
+                self.kv_heads >= 1 and self.num_heads % self.kv_heads == 0,
+                f"{p}num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}",
+            )
+            _check(self.head_size % 2 == 0, f"{p}head_dim={self.head_size} must be even for RoPE")
         _check(
-            self.kv_heads >= 1 and self.num_heads % self.kv_heads == 0,
-            f"{p}num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads}",
+            self.mtp_depth >= 0, f"{p}mtp_depth={self.mtp_depth} must be >= 0 (0 = no multi-token prediction)"
         )
-        _check(self.head_size % 2 == 0, f"{p}head_dim={self.head_size} must be even for RoPE")
+        _check(self.mtp_loss_weight >= 0, f"{p}mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         _check(
             self.moe is not None or self.num_dense_layers == self.num_layers,
             f"{p}moe is null but num_dense_layers < num_layers; set num_dense_layers={self.num_layers}",
@@ -298,7 +400,20 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
+        """Per-head dims of MHA/GQA (MLA: the query/key dims N + R)."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden // self.num_heads
+
+    @property
+    def value_head_size(self) -> int:
+        """Per-head dims of the values (MLA: v_head_dim; else head_size)."""
+        return self.mla.v_head_dim if self.mla is not None else self.head_size
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims RoPE rotates per head (MLA: qk_rope_head_dim)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_size
 
     @property
     def num_moe_layers(self) -> int:
@@ -577,12 +692,18 @@ class Config:
                 "set model.vocab_size >= 256",
             )
         moe = self.model.moe
+        _check(
+            moe is not None or not self.parallel.route_groups_by_node,
+            "parallel.route_groups_by_node needs MoE layers (model.moe); set it to false",
+        )
         if moe is not None:
             _check(
                 moe.num_experts % self.mesh.expert == 0,
                 f"moe.num_experts={moe.num_experts} is not divisible by mesh.expert={self.mesh.expert}; "
                 "choose an expert axis that divides the expert count",
             )
+            if self.parallel.route_groups_by_node:
+                check_groups_by_node(moe, self.mesh.expert_nodes)
             if self.parallel.expert_tensor_parallel:
                 _check(
                     moe.expert_hidden % self.mesh.tensor == 0,
@@ -623,6 +744,16 @@ class Config:
             f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",
         )
         return shape
+
+
+def check_groups_by_node(moe: MoEConfig, expert_nodes: int) -> None:
+    """parallel.route_groups_by_node: routing groups are expert nodes one to one."""
+    _check(
+        moe.num_groups == expert_nodes,
+        f"parallel.route_groups_by_node: moe.num_groups={moe.num_groups} must equal the expert nodes "
+        f"(mesh.expert_nodes={expert_nodes}) so that group g is node g's experts; set mesh.expert_nodes="
+        f"{moe.num_groups} or parallel.route_groups_by_node=false",
+    )
 
 
 # ----------------------------------------------------------------------------- loading

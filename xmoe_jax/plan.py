@@ -4,8 +4,9 @@
 
 Steps:
   1. resolve the config on N devices (the mesh's `data=-1` fills the rest) and check it;
-  2. build the train step exactly as the trainer does and compile it ahead of time for
-     that mesh: N fake CPU devices (XLA:CPU), or the real GPUs of this host with
+  2. build the train step exactly as the trainer first compiles it (dropless pft/rbd with
+     adaptive buffers: the ladder's first rung, factor 1.25 unless set) and compile it ahead of
+     time for that mesh: N fake CPU devices (XLA:CPU), or the real GPUs of this host with
      `--real-devices`; nothing runs;
   3. per device: parameters, router biases and optimizer state from their shardings
      (exact), gradients (float32, the size of the parameters; they live among the
@@ -15,7 +16,9 @@ Steps:
 
 On CPU the grouped GEMMs compile as the Pallas kernels (interpret mode, XMOE_KERNELS),
 the same buffers as on a GPU, not XLA's dense `ragged_dot` lowering whose workspace
-is several times larger; the attention's temporaries are XLA's, not cuDNN's. JAX
+is several times larger, and `parallel.transport: auto` compiles as a GPU resolves it
+(`bucketed`), not as CPU's exact emulation whose padded [peers, tokens, D] chunks would
+dominate the plan; the attention's temporaries are XLA's, not cuDNN's. JAX
 cannot compile for a GPU without one, so CPU figures are an estimate whose distance to
 the GPU compile is measured in benchmarks/scale.md.
 """
@@ -69,6 +72,7 @@ class Plan:
     compile_s: float
     device_memory: int | None
     advice: list[str]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def state(self) -> int:
@@ -102,6 +106,7 @@ class Plan:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'device memory':<52} {self.device_memory / GiB:9.2f} GiB: {verdict}")
         lines += [f"  try: {a}" for a in self.advice]
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -143,6 +148,24 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
     return out
 
 
+def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, list[str]]:
+    """The config whose step the trainer compiles first (step 2), and what changed."""
+    from xmoe_jax.train.buffers import BufferLadder, applies
+
+    notes, parallel = [], cfg.parallel
+    ladder = BufferLadder(parallel, applies(cfg, shape.expert))
+    if ladder.active and parallel.recv_buffer_factor != ladder.factor:
+        notes.append(
+            f"receive buffers at {ladder.factor}x the average load, where adaptive buffers start "
+            "(parallel.adaptive_buffers=false plans the fixed factor, null = the worst case)"
+        )
+        parallel = ladder.parallel
+    if on_cpu and cfg.model.moe is not None and parallel.transport == "auto":
+        notes.append("transport auto compiled as on a GPU (bucketed), not as CPU's emulation")
+        parallel = dataclasses.replace(parallel, transport="bucketed")
+    return dataclasses.replace(cfg, parallel=parallel), notes
+
+
 def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     """Compile cfg's train step for the devices JAX has and read back its memory."""
     from xmoe_jax.model.functional import model_spec
@@ -153,6 +176,7 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
 
     devices = jax.device_count()
     shape = cfg.validate_for_devices(devices)
+    cfg, notes = as_trained(cfg, shape, jax.devices()[0].platform == "cpu")
     mesh = sharding.make_mesh(cfg.mesh)
     # adaptive buffers: plan the rung training starts on (the ladder only grows it when routing needs)
     ladder = BufferLadder(cfg.parallel, applies(cfg, sharding.axis_size(mesh, sharding.EXPERT_AXES)))
@@ -189,6 +213,7 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
         compile_s=compile_s,
         device_memory=device_memory,
         advice=[],
+        notes=notes,
     )
     result.advice = advise(cfg, result)
     return result

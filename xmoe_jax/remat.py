@@ -8,7 +8,7 @@ rest in the backward pass. The block input is always kept (it is the scan carry)
 |-----------------------------|---------------------------------------------------------|----------------------------------------------|
 | none                        | everything autodiff keeps                               | nothing                                      |
 | full                        | the block input only                                    | the whole block, exchange included           |
-| save_dots                   | every matmul output (q/k/v/o projections, attention core, dense MLP and expert GEMMs) and the dispatched rows | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
+| save_dots                   | every matmul output (q/k/v/o projections, MLA's latents and their expansion, attention core, dense MLP and expert GEMMs) and the dispatched rows | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
 | save_attention_and_experts  | the attention core output, the expert GEMM outputs and the dispatched rows | norms, projections, activations, routing, permutes |
 | save_sublayer_outputs       | the attention and MLP/MoE branch outputs                | everything inside them (the MoE exchange runs again) |
 

@@ -50,13 +50,14 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
+    "latent": None,  # MLA's compressed q / kv latents: small, replicated
     "mlp": "tensor",
     "experts": EXPERT_AXES,
     "expert_mlp": None,
     "router_experts": None,
     "norm": None,
 }
-FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data"}
+FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data", "latent": "data"}  # MLA's wq_b, wkv_b have no embed dim
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", *EXPERT_AXES),
@@ -68,6 +69,7 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
+    "latent": None,
     "mlp": "tensor",
     "vocab": "tensor",
     "experts": EXPERT_AXES,

@@ -141,6 +141,7 @@ def generate_from_run(
             "parallel.dispatch=dense",
             "parallel.auto_shard=false",
             "parallel.expert_tensor_parallel=false",
+            "parallel.route_groups_by_node=false",
         ]
         overrides = one + list(overrides or [])
     cfg, step = read_run_config(run_dir, step, overrides)

@@ -3,7 +3,7 @@
     xmoe-convert import --hf-dir DIR --out RUN_DIR     # safetensors + config.json -> a run to resume
     xmoe-convert export --run-dir RUN_DIR --out DIR    # a run's checkpoint -> safetensors + config.json
 
-One module per family (mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py; torchtitan's
+One module per family (mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py, deepseek.py: V2 and V3; torchtitan's
 "state-dict adapter" pattern), each an `Adapter` (adapter.py): config.json <-> ModelConfig and
 a tensor table (mapping.py). A new family is a new module and one line in `ADAPTERS`. Nothing
 here imports torch or transformers: tensors go through `safetensors`' numpy API
@@ -11,6 +11,7 @@ here imports torch or transformers: tensors go through `safetensors`' numpy API
 """
 
 from xmoe_jax.hf.adapter import Adapter
+from xmoe_jax.hf.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from xmoe_jax.hf.mapping import ConversionError
 from xmoe_jax.hf.mixtral import MIXTRAL
 from xmoe_jax.hf.olmoe import OLMOE
@@ -18,6 +19,8 @@ from xmoe_jax.hf.qwen2_moe import QWEN2_MOE
 from xmoe_jax.hf.qwen3_moe import QWEN3_MOE
 
 # model_type -> adapter; export tries them in this order when no --arch is given
-ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)}
+ADAPTERS: dict[str, Adapter] = {
+    a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3)
+}
 
 __all__ = ["ADAPTERS", "Adapter", "ConversionError"]

@@ -5,11 +5,15 @@ An adapter (one small module per family, torchtitan's "state-dict adapter") says
                           `ConversionError` what we do not implement (naming the key);
   `unsupported(cfg)`      why our ModelConfig cannot be written as this architecture (None: it can);
   `to_hf_config(cfg)`     our ModelConfig -> the `config.json` fields of this architecture;
-  `rules(cfg)`            the tensor table (mapping.py): HF names <-> our leaves.
+  `rules(cfg)`            the tensor table (mapping.py): HF names <-> our leaves;
+  `with_tensors(cfg, hf, keys)`  the config once the checkpoint's tensor names are known (what
+                          config.json cannot say, e.g. whether the MTP module is in the files);
+  `ignored_tensors`       name suffixes import may skip (copies of tensors it reads elsewhere).
 
 The common decoder (embedding, RMSNorms, q/k/v/o projections, optional q/k bias and norms,
 dense SwiGLU MLPs, head) is named alike in Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; each family
-adds its MoE block's names and config keys.
+adds its MoE block's names and config keys. DeepSeek-V2/V3 (deepseek.py) share the embedding,
+norms, MLP and MoE names but have their own attention (MLA) and RoPE (YaRN).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from xmoe_jax.config import ConfigError, ModelConfig, MoEConfig
+from xmoe_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScalingConfig
 from xmoe_jax.hf.mapping import FLAT, SAME, ConversionError, Fused, Rule, linear
 
 log = logging.getLogger("xmoe_jax")
@@ -29,6 +33,10 @@ IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 class Adapter:
     model_type: str
     architecture: str
+    ignored_tensors: tuple[str, ...] = ()
+
+    def with_tensors(self, cfg: ModelConfig, hf: dict, keys: set[str]) -> ModelConfig:
+        return cfg
 
     def to_model_config(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -56,17 +64,64 @@ def num_experts(hf: dict) -> int:
     raise ConversionError("config.json has neither num_experts nor num_local_experts")
 
 
-def rope_theta(hf: dict, default: float) -> float:
-    """RoPE base; any rope scaling other than none/default is refused (not implemented)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+def rope_config(hf: dict, default: float) -> tuple[float, RopeScalingConfig | None]:
+    """(RoPE base, YaRN scaling or None) from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling` (DeepSeek's releases); kinds other than default and yarn are
+    refused. Absent mscale keys read as 0, as transformers reads them (rope.py)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default)))
+    if kind == "default":
+        return theta, None
     refuse(
-        kind != "default",
-        f"config.json asks for RoPE scaling {kind!r}; xmoe_jax implements plain RoPE only "
-        "(rope_type 'default'): convert a model without rope scaling",
+        kind != "yarn",
+        f"config.json asks for RoPE scaling {kind!r}; xmoe_jax implements plain RoPE and YaRN only",
     )
-    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+    refuse(
+        params.get("attention_factor") is not None,
+        "rope scaling: an explicit attention_factor is not implemented",
+    )
+    refuse(params.get("truncate", True) is not True, "rope scaling: truncate=false is not implemented")
+    original = int(params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096))
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    scaling = RopeScalingConfig(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+    return theta, scaling
+
+
+def rope_hf(cfg: ModelConfig) -> dict:
+    """config.json's RoPE keys: `rope_theta`, and `rope_parameters` with `rope_scaling` (the same
+    YaRN fields, as DeepSeek's releases write them) when scaled."""
+    out = {
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    }
+    s = cfg.rope_scaling
+    if s is not None:
+        fields = dict(factor=s.factor, original_max_position_embeddings=s.original_max_position_embeddings)
+        fields.update(
+            beta_fast=s.beta_fast, beta_slow=s.beta_slow, mscale=s.mscale, mscale_all_dim=s.mscale_all_dim
+        )
+        out["rope_scaling"] = {"type": "yarn", **fields}
+        out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **fields}
+    return out
+
+
+def rope_theta(hf: dict, default: float) -> float:
+    """RoPE base; any rope scaling is refused (the LLaMA-style families here take plain RoPE)."""
+    theta, scaling = rope_config(hf, default)
+    refuse(
+        scaling is not None,
+        "config.json asks for RoPE scaling 'yarn'; xmoe_jax converts YaRN for DeepSeek-V2/V3 only: "
+        "convert a model without rope scaling",
+    )
+    return theta
 
 
 def common_fields(hf: dict, rope_default: float) -> dict:
@@ -116,8 +171,7 @@ def common_hf(cfg: ModelConfig, adapter: Adapter) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **rope_hf(cfg),
         "num_experts_per_tok": cfg.moe.top_k,
         "router_aux_loss_coef": cfg.moe.aux_loss_weight,
     }
@@ -139,6 +193,20 @@ def common_unsupported(cfg: ModelConfig, *, dense_layers: bool, shared: bool) ->
         reasons.append("it has dense layers (num_dense_layers > 0)")
     if moe.num_shared_experts and not shared:
         reasons.append("it has shared experts")
+    return reasons + layout_unsupported(cfg)
+
+
+def layout_unsupported(cfg: ModelConfig) -> list[str]:
+    """Attention, RoPE and MTP that only the DeepSeek adapters write."""
+    reasons = []
+    if cfg.attention_type != "mha":
+        reasons.append(
+            f"its attention is {cfg.attention_type!r} (multi-head latent attention: DeepSeek-V2/V3)"
+        )
+    if cfg.rope_scaling is not None:
+        reasons.append("it scales RoPE (YaRN: DeepSeek-V2/V3)")
+    if cfg.mtp_depth:
+        reasons.append("it has multi-token prediction modules (DeepSeek-V3)")
     return reasons
 
 

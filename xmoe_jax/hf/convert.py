@@ -27,7 +27,15 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, from_dict, override_dict, to_dict
 from xmoe_jax.hf import ADAPTERS, Adapter
 from xmoe_jax.hf.adapter import IGNORED_TENSORS
-from xmoe_jax.hf.mapping import ConversionError, check_keys, export_tensors, flat_leaves, load_leaf, nest
+from xmoe_jax.hf.mapping import (
+    ConversionError,
+    check_keys,
+    export_tensors,
+    flat_leaves,
+    layer_offsets,
+    load_leaf,
+    nest,
+)
 from xmoe_jax.hf.safetensors_io import DEFAULT_SHARD_BYTES, Reader, write_sharded
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
@@ -61,9 +69,15 @@ def choose_adapter(cfg: Config, arch: str | None = None) -> Adapter:
     raise ConversionError(f"the model cannot be written as a HuggingFace architecture here ({detail})")
 
 
-def import_config(hf: dict, out_dir: str | Path, overrides: list[str] | None = None) -> Config:
-    """Our Config for a HuggingFace config.json: its model, defaults elsewhere, run_dir = out_dir."""
-    model = adapter_for(hf.get("model_type")).to_model_config(hf)
+def import_config(
+    hf: dict, out_dir: str | Path, overrides: list[str] | None = None, tensor_keys: set[str] | None = None
+) -> Config:
+    """Our Config for a HuggingFace config.json: its model, defaults elsewhere, run_dir = out_dir;
+    `tensor_keys` (the checkpoint's tensor names) settle what config.json cannot (MTP modules)."""
+    adapter = adapter_for(hf.get("model_type"))
+    model = adapter.to_model_config(hf)
+    if tensor_keys is not None:
+        model = adapter.with_tensors(model, hf, tensor_keys)
     data = to_dict(Config(model=model))
     data["train"]["run_dir"] = str(out_dir)
     return from_dict(override_dict(data, overrides))
@@ -100,17 +114,18 @@ def load_hf_weights(hf_dir: str | Path, cfg: Config, mesh) -> tuple[dict, dict]:
     targets = _targets(fmodel.model_spec(cfg.model, cfg.parallel), mesh, cfg.mesh.fsdp)
     rules = _rules_for(adapter, cfg, targets)
     reader = Reader(hf_dir)
-    ignored = IGNORED_TENSORS + (("lm_head.weight",) if cfg.model.tie_embeddings else ())
-    num_dense = cfg.model.num_dense_layers
-    check_keys(reader, rules, targets, num_dense, ignored)
-    leaves = {r.ours: load_leaf(reader, r, targets[r.ours], num_dense) for r in rules}
+    ignored = IGNORED_TENSORS + adapter.ignored_tensors
+    ignored += ("lm_head.weight",) if cfg.model.tie_embeddings else ()
+    offsets = layer_offsets(cfg.model.num_dense_layers, cfg.model.num_layers)
+    check_keys(reader, rules, targets, offsets, ignored)
+    leaves = {r.ours: load_leaf(reader, r, targets[r.ours], offsets) for r in rules}
     return nest(leaves, "params"), nest(leaves, "bias")
 
 
 def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[str] | None = None) -> Config:
     """Steps 1-4 of the module docstring; returns the Config written to out_dir/config.yaml."""
     hf = read_hf_config(hf_dir)
-    cfg = import_config(hf, out_dir, overrides)
+    cfg = import_config(hf, out_dir, overrides, Reader(hf_dir).keys())
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
@@ -153,7 +168,8 @@ def export_checkpoint(
         leaves = {**flat_leaves(params, "params"), **flat_leaves(bias, "bias")}
         rules = _rules_for(adapter, cfg, leaves)
         np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else None
-        tensors = export_tensors(rules, leaves, cfg.model.num_dense_layers, np_dtype)
+        offsets = layer_offsets(cfg.model.num_dense_layers, cfg.model.num_layers)
+        tensors = export_tensors(rules, leaves, offsets, np_dtype)
         files = write_sharded(tensors, out_dir, max_shard_bytes)
     config = hf_config(cfg, adapter, run_dir, dtype)
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

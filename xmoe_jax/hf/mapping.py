@@ -7,8 +7,9 @@ A rule says which HF tensor fills each unit of one of our leaves and how:
 
     Rule("params/moe_layers/attn/wq", "model.layers.{layer}.self_attn.q_proj.weight", linear(1))
 
-`{layer}` makes the leaf's first axis the layer (HF layer = stack offset + index), `{expert}`
-the next axis the expert. Transforms are exact (transposes and reshapes only):
+`{layer}` makes the leaf's first axis the layer (HF layer = the stack's offset + index: dense
+layers from 0, MoE layers after them, multi-token prediction modules after all L layers, as
+DeepSeek-V3's checkpoint numbers them), `{expert}` the next axis the expert. Transforms are exact (transposes and reshapes only):
   linear(n)  a torch Linear weight [out, in]: unit = w.T reshaped, `in` = the unit's first n dims
   FLAT       a vector: unit = w reshaped (norm scales, biases, a [H*K] norm as [H,K])
   SAME       the same shape (the embedding)
@@ -34,7 +35,11 @@ import numpy as np
 from xmoe_jax.hf.safetensors_io import Reader
 
 SAME, FLAT = "same", "flat"
-STACK_OFFSET = {"dense_layers": 0, "moe_layers": None}  # None: after the dense layers
+
+
+def layer_offsets(num_dense: int, num_layers: int) -> dict[str, int]:
+    """The HF layer index of each stack's first layer."""
+    return {"dense_layers": 0, "moe_layers": num_dense, "mtp_layers": num_layers}
 
 
 def linear(num_in: int) -> str:
@@ -86,14 +91,9 @@ def nest(flat: dict[str, object], prefix: str) -> dict:
     return tree
 
 
-def _layer_offset(rule: Rule, num_dense: int) -> int:
-    stack = rule.ours.split("/")[1]
-    return num_dense if STACK_OFFSET.get(stack, 0) is None else 0
-
-
-def _unit_keys(rule: Rule, shape: tuple, num_dense: int) -> Iterator[tuple[tuple[int, ...], str]]:
-    """(unit index, HF key) of every unit of the leaf."""
-    offset = _layer_offset(rule, num_dense)
+def _unit_keys(rule: Rule, shape: tuple, offsets: dict) -> Iterator[tuple[tuple[int, ...], str]]:
+    """(unit index, HF key) of every unit of the leaf; `offsets` from `layer_offsets`."""
+    offset = offsets.get(rule.ours.split("/")[1], 0)
     for unit in np.ndindex(*shape[: rule.num_stacked]):
         names = {}
         if "{layer}" in rule.hf:
@@ -124,9 +124,9 @@ def _fused_key(rule: Rule, key: str) -> str | None:
     return rule.fused.key.format(layer=_hf_layer(key)) if rule.fused is not None else None
 
 
-def check_keys(reader: Reader, rules: list[Rule], shapes: dict, num_dense: int, ignored=()) -> None:
+def check_keys(reader: Reader, rules: list[Rule], shapes: dict, offsets: dict, ignored=()) -> None:
     """Every tensor the rules need is there (per expert or fused), and no tensor is left over."""
-    need = {key: r for r in rules for _, key in _unit_keys(r, shapes[r.ours].shape, num_dense)}
+    need = {key: r for r in rules for _, key in _unit_keys(r, shapes[r.ours].shape, offsets)}
     have = reader.keys()
     missing = [k for k, r in need.items() if k not in have and _fused_key(r, k) not in have]
     if missing:
@@ -159,11 +159,11 @@ def _read_unit(
     return _to_unit(reader.read(key), rule.transform, unit_shape)[tail]
 
 
-def load_leaf(reader: Reader, rule: Rule, target: jax.ShapeDtypeStruct, num_dense: int) -> jax.Array:
+def load_leaf(reader: Reader, rule: Rule, target: jax.ShapeDtypeStruct, offsets: dict) -> jax.Array:
     """Our leaf, placed with `target.sharding`, each device's shard read unit by unit."""
     stacked = rule.num_stacked
     unit_shape = tuple(target.shape[stacked:])
-    keys = dict(_unit_keys(rule, target.shape, num_dense))
+    keys = dict(_unit_keys(rule, target.shape, offsets))
     memo: dict[str, np.ndarray] = {}  # devices holding the same shard read it once
 
     def shard(index: tuple) -> np.ndarray:
@@ -183,12 +183,12 @@ def load_leaf(reader: Reader, rule: Rule, target: jax.ShapeDtypeStruct, num_dens
 
 
 def export_tensors(
-    rules: list[Rule], leaves: dict[str, jax.Array], num_dense: int, dtype=None
+    rules: list[Rule], leaves: dict[str, jax.Array], offsets: dict, dtype=None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF key, array) per unit, per-expert layout; reads one layer of a leaf from the devices at a time."""
     for rule in rules:
         leaf = leaves[rule.ours]
-        units = list(_unit_keys(rule, leaf.shape, num_dense))
+        units = list(_unit_keys(rule, leaf.shape, offsets))
         layer_cache: dict[int, np.ndarray] = {}
         for unit, key in units:
             if rule.num_stacked:

@@ -1,7 +1,11 @@
 """Causal attention backends behind one call: `attend(q, k, v, implementation)`.
 
 Shapes: B batch, S sequence, H query heads, G key/value heads (GQA: H % G == 0),
-K head dim. Inputs [B,S,H,K] / [B,S,G,K], output [B,S,H,K] in q's dtype.
+K query/key head dim, U value head dim. Inputs [B,S,H,K] / [B,S,G,K] / [B,S,G,U], output
+[B,S,H,U] in q's dtype. U < K (multi-head latent attention: K = 192, U = 128 in DeepSeek's
+models): every backend gets the values padded with zeros to K dims (jax's attention and the
+Pallas kernel take one head dim; the padded output dims are zeros, cut off after), so the
+AV product costs K/U times its FLOPs; the softmax scale is the caller's (`scale`).
 
 | backend | what                                                     | runs on           |
 |---------|----------------------------------------------------------|-------------------|
@@ -10,7 +14,7 @@ K head dim. Inputs [B,S,H,K] / [B,S,G,K], output [B,S,H,K] in q's dtype.
 | pallas  | JAX's Triton-style Pallas flash attention (`pallas.ops.gpu.attention.mha`, its own VJP); lowers through Triton on CUDA and ROCm, interpret mode on CPU | GPU (CPU: tests) |
 
 `auto` takes cuDNN on NVIDIA where its shape rules hold (bf16/fp16, K a multiple of
-8 and at most 128), the Pallas kernel on ROCm where its rules hold (S a multiple of
+8 and at most 128, or 256 on Hopper and later), the Pallas kernel (which pads K to a power of two itself) on ROCm where its rules hold (S a multiple of
 its blocks), and XLA everywhere else. A backend asked for by name that cannot take
 the call falls back to XLA with one warning per reason, never an error mid-run.
 Measured on one H100 (docs/design.md#attention): forward+backward for B=8, S=2048,
@@ -33,6 +37,7 @@ from xmoe_jax.kernels.platform import platform
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 PALLAS_BLOCK = 128  # the kernel's default q/k block: S must be a multiple of min(S, 128)
+PALLAS_WIDE_BLOCK = 64  # head dims padded past 128 (MLA's 192 -> 256): 128-row blocks overflow shared memory
 
 
 def _cudnn_reason(q, k) -> str | None:
@@ -40,10 +45,16 @@ def _cudnn_reason(q, k) -> str | None:
         return f"cuDNN attention needs an NVIDIA GPU, platform is {platform()}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN flash attention takes bf16/fp16, got {q.dtype}"
-    head_dim = q.shape[-1]
-    if head_dim % 8 or head_dim > 128:
-        return f"cuDNN flash attention needs head_dim a multiple of 8 and <= 128, got {head_dim}"
+    head_dim, limit = q.shape[-1], _cudnn_max_head_dim()
+    if head_dim % 8 or head_dim > limit:
+        return f"cuDNN flash attention needs head_dim a multiple of 8 and <= {limit} here, got {head_dim}"
     return None
+
+
+def _cudnn_max_head_dim() -> int:
+    """cuDNN's flash attention takes head dims up to 256 on Hopper (compute capability 9) and later."""
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    return 256 if int(capability.split(".")[0]) >= 9 else 128
 
 
 def _pallas_reason(q, k) -> str | None:
@@ -81,14 +92,19 @@ def choose(implementation: str, q, k) -> str:
     return implementation
 
 
-def _pallas(q_BSHK, k_BSGK, v_BSGK):
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _pallas(q_BSHK, k_BSGK, v_BSGK, scale=None):
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     groups = q_BSHK.shape[2] // k_BSGK.shape[2]
     if groups > 1:  # the kernel indexes k/v by query head
         k_BSGK, v_BSGK = (jnp.repeat(a, groups, axis=2) for a in (k_BSGK, v_BSGK))
     seq = q_BSHK.shape[1]
-    block = min(seq, PALLAS_BLOCK)
+    wide = _next_power_of_2(q_BSHK.shape[-1]) > 128  # the kernel pads the head dim to a power of 2
+    block = min(seq, PALLAS_WIDE_BLOCK if wide else PALLAS_BLOCK)
     sizes = pallas_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=min(block, 32), block_kv_dkv=min(block, 32),
         block_q_dq=min(block, 32), block_kv_dq=min(block, 32),
@@ -98,7 +114,7 @@ def _pallas(q_BSHK, k_BSGK, v_BSGK):
         k_BSGK,
         v_BSGK,
         None,
-        sm_scale=1.0 / math.sqrt(q_BSHK.shape[-1]),
+        sm_scale=1.0 / math.sqrt(q_BSHK.shape[-1]) if scale is None else scale,
         causal=True,
         block_sizes=sizes,
         interpret=platform() == "cpu",
@@ -148,17 +164,29 @@ def attend(
     v_BSGK: jax.Array,
     implementation: str = "auto",
     shard_names: tuple | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Causal softmax attention, scale 1/sqrt(K), by the chosen backend.
+    """Causal softmax attention, scale `scale` (None: 1/sqrt(K)), by the chosen backend.
 
     `shard_names`: the logical names of q and of k/v, so the Pallas kernel runs per
-    device on the ambient mesh (cuDNN and XLA are partitioned by XLA itself).
+    device on the ambient mesh (cuDNN and XLA are partitioned by XLA itself). Values with
+    fewer dims than the keys are padded to them and the output cut back (module docstring).
     """
+    v_dim, k_dim = v_BSGK.shape[-1], k_BSGK.shape[-1]
+    if v_dim < k_dim:
+        v_BSGK = jnp.pad(v_BSGK, [(0, 0)] * 3 + [(0, k_dim - v_dim)])
     impl = choose(implementation, q_BSHK, k_BSGK)
     if impl == "pallas":
-        return _per_shard(_pallas, shard_names, q_BSHK, k_BSGK, v_BSGK)
-    if impl == "shapes":
-        return _per_shard(_shapes, shard_names, q_BSHK, k_BSGK, v_BSGK)
-    return jax.nn.dot_product_attention(
-        q_BSHK, k_BSGK, v_BSGK, is_causal=True, implementation="cudnn" if impl == "cudnn" else None
-    )
+        o_BSHK = _per_shard(functools.partial(_pallas, scale=scale), shard_names, q_BSHK, k_BSGK, v_BSGK)
+    elif impl == "shapes":  # the stand-in has only shapes: the scale changes nothing it models
+        o_BSHK = _per_shard(_shapes, shard_names, q_BSHK, k_BSGK, v_BSGK)
+    else:
+        o_BSHK = jax.nn.dot_product_attention(
+            q_BSHK,
+            k_BSGK,
+            v_BSGK,
+            scale=scale,
+            is_causal=True,
+            implementation="cudnn" if impl == "cudnn" else None,
+        )
+    return o_BSHK[..., :v_dim] if v_dim < k_dim else o_BSHK

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -105,6 +106,18 @@ def loss(spec: ModelSpec, params: dict, bias: dict, inputs_BS: jax.Array, target
     model = nnx.merge(spec.graphdef, params, bias)
     h_BSD, stats = model(inputs_BS)
     return model.loss(h_BSD, targets_BS), stats
+
+
+def loss_terms(spec: ModelSpec, params: dict, bias: dict, inputs_BS: jax.Array, targets_BS: jax.Array):
+    """(cross-entropy, multi-token prediction loss (0 without `model.mtp_depth`), MoE statistics of
+    every MoE block, MTP modules included): the terms of the training loss (train/step.py)."""
+    model = nnx.merge(spec.graphdef, params, bias)
+    h_BSD, stats = model(inputs_BS)
+    ce = model.loss(h_BSD, targets_BS)
+    if not spec.cfg.mtp_depth:
+        return ce, jnp.zeros((), jnp.float32), stats
+    mtp, mtp_stats = model.mtp_loss(h_BSD, targets_BS)
+    return ce, mtp, {**stats, **mtp_stats}
 
 
 def decode(spec: ModelSpec, params: dict, bias: dict, tokens_BT: jax.Array, cache):

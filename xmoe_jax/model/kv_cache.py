@@ -10,6 +10,10 @@ real token (slot - first_B[b]), so a padded prompt is computed exactly as the sa
 prompt alone. A query at slot i of row b sees slots j with first_B[b] <= j <= i (a
 padding slot sees only itself, which keeps its values finite: they are never read).
 
+Multi-head latent attention (model/mla.py) caches what DeepSeek's inference caches: the
+compressed latent c [B,S,1,C] in the key slot and the shared RoPE key [B,S,1,R] in the value
+slot (C + R numbers per token and layer instead of 2*G*K; one "head", never split over tensor).
+
     cache = init_cache(cfg, batch, max_len, first_B)   # zeros, index 0
     h_BTD, cache = model.decode(tokens_BT, cache)      # writes T slots, index += T
 """
@@ -45,13 +49,16 @@ class LayerCache(NamedTuple):
         v = jax.lax.dynamic_update_slice(self.v_BSGK, v_BTGK.astype(self.v_BSGK.dtype), at)
         return self._replace(k_BSGK=k, v_BSGK=v)
 
-    def attend(self, q_BTHK: jax.Array) -> jax.Array:
-        """Softmax attention (scale 1/sqrt(K)) of the new queries over the visible slots."""
-        num_new = q_BTHK.shape[1]
+    def mask_BTS(self, num_new: int) -> jax.Array:
+        """Which slots each of `num_new` queries written at `index` sees (module docstring)."""
         q_slot_1T1 = (self.index + jnp.arange(num_new))[None, :, None]
         key_slot_11S = jnp.arange(self.k_BSGK.shape[1])[None, None, :]
         first_B11 = self.first_B[:, None, None]
-        mask_BTS = (key_slot_11S <= q_slot_1T1) & ((key_slot_11S >= first_B11) | (key_slot_11S == q_slot_1T1))
+        return (key_slot_11S <= q_slot_1T1) & ((key_slot_11S >= first_B11) | (key_slot_11S == q_slot_1T1))
+
+    def attend(self, q_BTHK: jax.Array) -> jax.Array:
+        """Softmax attention (scale 1/sqrt(K)) of the new queries over the visible slots."""
+        mask_BTS = self.mask_BTS(q_BTHK.shape[1])
         return jax.nn.dot_product_attention(q_BTHK, self.k_BSGK, self.v_BSGK, mask=mask_BTS[:, None])
 
 
@@ -71,14 +78,20 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, first_B: jax.Array, constrain=None) -> KVCache:
     """Zeros in the compute dtype for `max_len` slots; `constrain` (logical names -> mesh) places
-    the rows like the batch and the key/value heads like the attention's."""
+    the rows like the batch and the key/value heads like the attention's (MLA: the latent and the
+    RoPE key, module docstring)."""
     dt, _ = dtypes(cfg)
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_size)
+    if cfg.mla is not None:
+        shapes = [(batch, max_len, 1, cfg.mla.kv_lora_rank), (batch, max_len, 1, cfg.mla.qk_rope_head_dim)]
+        names = ("batch", None, None, None)
+    else:
+        shapes = [(batch, max_len, cfg.kv_heads, cfg.head_size)] * 2
+        names = KV_NAMES
     kv = {}
     for name, num_layers in (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers)):
         if num_layers:
-            zeros = jnp.zeros((num_layers, *shape), dt)
+            pair = [jnp.zeros((num_layers, *shape), dt) for shape in shapes]
             if constrain is not None:
-                zeros = constrain(zeros, (None, *KV_NAMES))
-            kv[name] = (zeros, zeros)
+                pair = [constrain(a, (None, *names)) for a in pair]
+            kv[name] = tuple(pair)
     return KVCache(kv, jnp.zeros((), jnp.int32), jnp.asarray(first_B, jnp.int32))

@@ -1,4 +1,4 @@
-"""Transformer building blocks: RMSNorm, RoPE attention (MHA/GQA), dense MLP.
+"""Transformer building blocks: RMSNorm, RoPE attention (MHA/GQA), dense MLP (MLA: mla.py).
 
 Shapes: B batch, S sequence, D model, H query heads, G kv heads, K head dim,
 F MLP hidden, V vocab. Parameters are float32 masters (`param_dtype`) and are cast
@@ -23,6 +23,7 @@ from flax import nnx
 
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.model.attention import attend
+from xmoe_jax.model.rope import rope
 from xmoe_jax.remat import ATTN_CORE, ATTN_QKV, MLP_HIDDEN, MLP_OUT, tag
 
 
@@ -53,17 +54,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-def rope(x_BSHK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half convention) in float32; `positions` [S] or per row [B,S]."""
-    half = x_BSHK.shape[-1] // 2
-    freq_k = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None] * freq_k  # [..., S, K/2]
-    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # a heads axis
-    x1, x2 = jnp.split(x_BSHK.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BSHK.dtype)
 
 
 Q_NAMES = ("batch", None, "heads", "head_dim")
@@ -97,7 +87,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm((h, k), cfg.norm_eps, pdt, ("heads", "head_dim"))
             self.k_norm = RMSNorm((g, k), cfg.norm_eps, pdt, ("kv_heads", "head_dim"))
         self.has_bias, self.has_qk_norm = cfg.qkv_bias, cfg.qk_norm != "none"
-        self.theta = cfg.rope_theta
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.implementation = cfg.attention
 
     def qkv(self, x_BSD: jax.Array, positions: jax.Array, constrain=no_constraint):
@@ -116,7 +106,8 @@ class Attention(nnx.Module):
         v_BSGK = project("v", "bsd,dgk->bsgk", KV_NAMES)
         if self.has_qk_norm:
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
-        return rope(q_BSHK, positions, self.theta), rope(k_BSGK, positions, self.theta), v_BSGK
+        q_BSHK = rope(q_BSHK, positions, self.theta, self.rope_scaling)
+        return q_BSHK, rope(k_BSGK, positions, self.theta, self.rope_scaling), v_BSGK
 
     def out(self, o_BSHK: jax.Array, constrain=no_constraint) -> jax.Array:
         o_BSHK = tag(constrain(o_BSHK, Q_NAMES), ATTN_CORE)

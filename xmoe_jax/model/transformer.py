@@ -1,4 +1,5 @@
-"""Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head.
+"""Decoder-only MoE transformer: embeddings, first-k dense layers, MoE layers, LM head, and
+optionally multi-token prediction modules (model/mtp.py, training only).
 
 Shapes: B batch, S sequence, T new tokens (generation), D model, V vocab, L layers of a
 stack. Pre-norm residual blocks; the output head is its own weight unless
@@ -13,7 +14,8 @@ that axis, so the program (and its compile time) does not grow with depth;
 (debugging; the same losses). Each block runs under the `model.remat` policy
 (xmoe_jax/remat.py). The blocks are created one after another from one RNG stream
 (embedding, dense layers, MoE layers, head: the order of the per-layer model this
-replaced), so initial weights do not depend on the layout.
+replaced; then the `mtp_layers` stack, so turning MTP on leaves the main model's initial
+weights as they were), so initial weights do not depend on the layout.
 
 The residual stream is laid out ("batch", "residual_seq", "embed"): batch over the
 token axes and, with `parallel.sequence_parallel`, the sequence split over the tensor
@@ -29,60 +31,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xmoe_jax import sharding
 from xmoe_jax.config import ModelConfig, ParallelConfig
+from xmoe_jax.model.block import RESIDUAL, Block, constrainer
 from xmoe_jax.model.kv_cache import KVCache
-from xmoe_jax.model.layers import MLP, Attention, RMSNorm, dtypes, param
+from xmoe_jax.model.layers import RMSNorm, dtypes, param
 from xmoe_jax.model.loss import chunked_cross_entropy
-from xmoe_jax.model.moe_block import MoEBlock
+from xmoe_jax.model.mtp import MTPModule, mtp_loss
 from xmoe_jax.moe.stats import MoEStats
-from xmoe_jax.remat import ATTN_OUT, MOE_OUT, remat, tag
+from xmoe_jax.remat import remat
 
-RESIDUAL = ("batch", "residual_seq", "embed")
 STACKS = ("dense_layers", "moe_layers")
-
-
-def _constrainer(parallel: ParallelConfig):
-    rules = sharding.activation_rules(sequence_parallel=parallel.sequence_parallel)
-    return sharding.constrainer(sharding.current_mesh(), rules)
-
-
-class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, is_moe: bool, rngs: nnx.Rngs, parallel: ParallelConfig):
-        _, pdt = dtypes(cfg)
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
-        self.is_moe = is_moe
-        self.parallel = parallel
-        if is_moe:
-            self.moe = MoEBlock(cfg, rngs, parallel)
-        else:
-            self.mlp = MLP(cfg.hidden, cfg.dense_hidden, cfg.dense_activation, cfg, rngs)
-
-    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
-        constrain = _constrainer(self.parallel)
-        return self._feed_forward(x_BSD, self.attn(self.attn_norm(x_BSD), constrain), constrain)
-
-    def decode(self, x_BTD: jax.Array, cache) -> tuple[jax.Array, object]:
-        """The block on T new tokens per row against its KV cache (generation); (x, new cache)."""
-        constrain = _constrainer(self.parallel)
-        attn_BTD, cache = self.attn.decode(self.attn_norm(x_BTD), cache, constrain)
-        x_BTD, _ = self._feed_forward(x_BTD, attn_BTD, constrain)
-        return x_BTD, cache
-
-    def _feed_forward(self, x_BSD, attn_BSD, constrain) -> tuple[jax.Array, MoEStats | None]:
-        """Adds the attention output to the residual, then the MLP or MoE sub-layer."""
-        attn_BSD = tag(constrain(attn_BSD, RESIDUAL), ATTN_OUT)
-        x_BSD = x_BSD + attn_BSD
-        h_BSD = self.mlp_norm(x_BSD)
-        if self.is_moe:
-            y_BSD, stats = self.moe(h_BSD)
-            y_BSD = tag(y_BSD, MOE_OUT)
-        else:
-            y_BSD, stats = self.mlp(h_BSD, constrain), None
-        x_BSD = constrain(x_BSD + y_BSD, RESIDUAL)
-        return x_BSD, stats
 
 
 def _stack(blocks: list[Block]) -> Block:
@@ -110,6 +68,8 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
+        if cfg.mtp_depth:
+            self.mtp_layers = _stack([MTPModule(cfg, rngs, parallel) for _ in range(cfg.mtp_depth)])
 
     def _run_stack(self, stack: Block, x_BSD: jax.Array):
         graphdef, state = nnx.split(stack)
@@ -131,7 +91,7 @@ class Transformer(nnx.Module):
         """The final-normed hidden states [B,S,D] and the MoE statistics ([L] leaves) keyed by
         the MoE block's module path ("moe_layers/moe")."""
         dt, _ = dtypes(self.cfg)
-        constrain = _constrainer(self.parallel)
+        constrain = constrainer(self.parallel)
         x_BSD = constrain(jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt), RESIDUAL)
         stats = {}
         for name in STACKS:
@@ -169,10 +129,16 @@ class Transformer(nnx.Module):
     def logits(self, h_BSD: jax.Array) -> jax.Array:
         """Float32 logits [B,S,V] of final hidden states (evaluation, generation, tests)."""
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, self.head()).astype(jnp.float32)
-        return _constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
+        return constrainer(self.parallel)(logits_BSV, ("batch", "seq", "vocab"))
+
+    def mtp_loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, dict[str, MoEStats]]:
+        """The multi-token prediction loss (mean over depths, model/mtp.py) from the final-normed
+        hidden states, and its modules' MoE statistics ("mtp_layers/block/moe")."""
+        loss, stats = mtp_loss(self, h_BSD, targets_BS)
+        return loss, ({"mtp_layers/block/moe": stats} if stats is not None else {})
 
     def loss(self, h_BSD: jax.Array, targets_BS: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy, chunked over the sequence (model.loss_chunk)."""
         return chunked_cross_entropy(
-            h_BSD, self.head(), targets_BS, self.cfg.loss_chunk, _constrainer(self.parallel)
+            h_BSD, self.head(), targets_BS, self.cfg.loss_chunk, constrainer(self.parallel)
         )

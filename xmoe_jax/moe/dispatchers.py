@@ -104,11 +104,12 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
             local_size=local_size,
             transport=resolve_transport(parallel.transport),
             recv_buffer_factor=parallel.recv_buffer_factor,
+            max_nodes=cfg.topk_groups if parallel.route_groups_by_node else None,
         )
     )
 
 
-_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio")
+_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio", "max_nodes_per_token")
 
 
 def _in_chunks(stages_fn):
@@ -175,7 +176,14 @@ _PFT_FIELDS = (
     "buffer_rows",
     "peak_ratio",
 )
-_RBD_FIELDS = (*_PFT_FIELDS, "pilot_rows", "inter_node_rows", "wire_bytes_node", "routed_bytes_node")
+_RBD_FIELDS = (
+    *_PFT_FIELDS,
+    "pilot_rows",
+    "inter_node_rows",
+    "wire_bytes_node",
+    "routed_bytes_node",
+    "max_nodes_per_token",
+)
 DISPATCHERS: dict[str, Dispatcher] = {
     "dense": Dispatcher(_dense, shard_map=False),
     "padded": Dispatcher(_padded, shard_map=False),

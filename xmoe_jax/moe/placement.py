@@ -33,7 +33,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from xmoe_jax import sharding
-from xmoe_jax.config import MoEConfig, ParallelConfig
+from xmoe_jax.config import MoEConfig, ParallelConfig, check_groups_by_node
 from xmoe_jax.moe.dispatchers import DISPATCHERS
 from xmoe_jax.moe.params import EXPERT_AXES
 from xmoe_jax.moe.stats import PER_DEVICE, MoEStats
@@ -71,6 +71,8 @@ def resolve(parallel: ParallelConfig, mesh, num_tokens: int, cfg: MoEConfig) -> 
                 f"(mesh axes {axes}{' with parallel.ssmb' if parallel.ssmb else ''}); "
                 "choose a batch and sequence length whose product they divide"
             )
+    if parallel.route_groups_by_node and mesh is not None:  # group g must be node g's experts here
+        check_groups_by_node(cfg, sharding.expert_layout(mesh)[0])
     tp = sharding.axis_size(mesh, sharding.TENSOR_AXIS)
     if parallel.expert_tensor_parallel and cfg.expert_hidden % tp:
         raise ValueError(

@@ -3,7 +3,13 @@
 Per device inside one `shard_map`; the expert devices form N nodes x G local
 devices (mesh axes `node` x `local`), L experts per device, EN = G*L experts per
 node, experts numbered node-major. Shapes: T local tokens, K top-k, D model,
-A1 = T*min(K, N) pilot send rows, M1 = N*T pilot receive rows, K2 = min(K, EN).
+A1 = T*min(K, N, M) pilot send rows, M1 = N*T pilot receive rows, K2 = min(K, EN).
+
+Node-limited routing (`parallel.route_groups_by_node`: the router's groups are the nodes and
+it keeps M = moe.topk_groups of them per token, DeepSeek-V3) bounds each token's pilots, so the
+rows it sends across nodes, by M: the send buffer holds T*M rows instead of T*min(K, N), and
+`max_nodes_per_token` reports the most nodes a token reached (rows that would not fit count as
+overflow, never dropped silently).
 
 Dispatch:
   1. pilots: each token sends ONE row per destination node holding any of its kept
@@ -85,18 +91,19 @@ def rbd_stages(
     local_size: int,
     transport: str,
     recv_buffer_factor: float | None,
+    max_nodes: int | None = None,
 ) -> Stages:
     """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
 
     Returns (y_TD, ExchangeStats) at the end. With the `bucketed` transport stage 2 uses
     pft's chunked layout and stage 1 the emulated exchange (chunks of T pilots per node pair,
-    the most a node can send another).
+    the most a node can send another). `max_nodes`: node-limited routing's M (module docstring).
     """
     stage1_transport = "emulated" if transport == "bucketed" else transport
     num_tokens, top_k = topk_idx_TK.shape
     per_node = num_experts // num_nodes
     slots = min(top_k, per_node)
-    num_send = num_tokens * min(top_k, num_nodes)
+    num_send = num_tokens * min(top_k, num_nodes, max_nodes or num_nodes)
     num_recv = num_nodes * num_tokens
 
     # 1. pilots: one per (token, node) with a kept expert there; node-major rows
@@ -188,6 +195,8 @@ def rbd_stages(
     row_bytes = x_TD.shape[1] * jnp.dtype(x_TD.dtype).itemsize
     inter = counts_N.sum() - counts_N[me]
     stats = stats2._replace(
+        num_overflow=stats2.num_overflow + jnp.maximum(counts_N.sum() - num_send, 0),
+        max_nodes_per_token=hit_TN.sum(-1).max().astype(jnp.int32),
         pilot_rows=counts_N.sum(),
         inter_node_rows=inter,
         wire_bytes_node=2 * wire_bytes(plan, me, row_bytes, stage1_transport, num_tokens, num_recv),

@@ -26,6 +26,7 @@ PER_DEVICE = (
     "inter_node_rows",
     "wire_bytes_node",
     "routed_bytes_node",
+    "max_nodes_per_token",
 )
 
 
@@ -43,6 +44,7 @@ class ExchangeStats(NamedTuple):
     inter_node_rows: jax.Array | None = None  # rbd: of those, rows that left the node
     wire_bytes_node: jax.Array | None = None  # rbd: bytes on the node axis (stage 1, both ways)
     routed_bytes_node: jax.Array | None = None  # rbd: pilot bytes stage 1 needed (both ways)
+    max_nodes_per_token: jax.Array | None = None  # rbd: most nodes one of this device's tokens reached
 
 
 class MoEStats(NamedTuple):
@@ -64,6 +66,7 @@ class MoEStats(NamedTuple):
     inter_node_rows: jax.Array | None = None
     wire_bytes_node: jax.Array | None = None
     routed_bytes_node: jax.Array | None = None
+    max_nodes_per_token: jax.Array | None = None
 
     def with_exchange(self, ex: ExchangeStats | None) -> MoEStats:
         return self if ex is None else self._replace(**ex._asdict())

@@ -236,6 +236,8 @@ def _run(
                     "lr": float(schedule(step - 1)),
                     **meter.read(),
                 }
+                if "mtp_loss" in metrics:
+                    record["mtp_loss"] = float(metrics["mtp_loss"])
                 if "tokens_per_expert" in metrics:
                     record.update(
                         expert_stats(

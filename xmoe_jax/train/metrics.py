@@ -1,11 +1,13 @@
 """Throughput accounting and the metrics sinks (terminal/plain lines, metrics.jsonl, TensorBoard).
 
 Model FLOPs per token (training, forward + backward = 3x forward):
-    6 * (active matmul parameters) + 12 * L * S * H * Dh
+    6 * (active matmul parameters) + 6 * (L + mtp_depth) * S * H * (Dqk + Dv)
 where active matmul parameters = attention + dense MLPs + router + top_k routed
 experts + shared experts + LM head (the input embedding is a lookup, norms are not
-matmuls), L layers, S sequence length, H*Dh attention width; the attention term
-counts QK^T and AV without a causal discount (the PaLM convention). Only active
+matmuls), plus per multi-token prediction module its projection, block and the shared
+head; L layers, S sequence length, H heads of Dqk query/key and Dv value dims (MHA: both
+Dh, so 12 * L * S * H * Dh; MLA: N + R and U); the attention term counts QK^T and AV
+without a causal discount (the PaLM convention). Only active
 experts count, so the figure does not grow with the number of experts.
 MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s.
 """
@@ -36,8 +38,8 @@ PEAK_TFLOPS = {
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     counts = count_params(cfg)
     matmul_active = counts.active - counts.breakdown["embed"] - counts.breakdown["norms"]
-    attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_size
-    return 6.0 * matmul_active + attention
+    per_layer = 6 * seq_len * cfg.num_heads * (cfg.head_size + cfg.value_head_size)
+    return 6.0 * (matmul_active + counts.mtp_active) + (cfg.num_layers + cfg.mtp_depth) * per_layer
 
 
 def peak_tflops(device_kind: str, override: float | None = None) -> float | None:

@@ -2,7 +2,9 @@
 
 Loss = mean token cross-entropy (chunked: model/loss.py)
      + moe.aux_loss_weight * sum over MoE layers of the load-balance loss
-     + moe.z_loss_weight   * sum over MoE layers of the router z-loss.
+     + moe.z_loss_weight   * sum over MoE layers of the router z-loss
+     + model.mtp_loss_weight * the multi-token prediction loss (with model.mtp_depth: the mean
+       over depths, model/mtp.py; the MTP modules' MoE blocks count as MoE layers above).
 
 With `train.micro_batch_size`, the global batch is cut into micro-batches inside the
 jitted step (micro-batch m holds rows m, m+n, m+2n, ... so every device keeps an equal
@@ -95,6 +97,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     aux_w = moe.aux_loss_weight if moe is not None else 0.0
     z_w = moe.z_loss_weight if moe is not None else 0.0
     bias_rate = moe.bias_update_rate if moe is not None else 0.0
+    mtp_w = spec.cfg.mtp_loss_weight if spec.cfg.mtp_depth else 0.0
 
     data_sh = batch_sharding(mesh, cfg)
     dropless_exchange = (
@@ -104,11 +107,14 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     num_micro = cfg.train.batch_size // micro if micro else 1
 
     def loss_fn(params, bias, batch):
-        ce, stats = fmodel.loss(spec, params, bias, batch["inputs"], batch["targets"])
+        ce, mtp, stats = fmodel.loss_terms(spec, params, bias, batch["inputs"], batch["targets"])
         stacked = stack_layers(stats)
         aux_loss = stacked.aux_loss.sum() if stacked else jnp.zeros(())
         z_loss = stacked.z_loss.sum() if stacked else jnp.zeros(())
-        return ce + aux_w * aux_loss + z_w * z_loss, (ce, aux_loss, z_loss, stats)
+        total = ce + aux_w * aux_loss + z_w * z_loss
+        if mtp_w:
+            total = total + mtp_w * mtp
+        return total, (ce, aux_loss, z_loss, mtp, stats)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -124,15 +130,15 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
             return grads_acc, (loss, aux)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        grads, (loss_N, (ce_N, aux_N, z_N, stats_N)) = jax.lax.scan(
+        grads, (loss_N, (ce_N, aux_N, z_N, mtp_N, stats_N)) = jax.lax.scan(
             one, zeros, _micro_batches(batch, num_micro)
         )
         grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads, params)
         stats = {k: _combine_micro(v) for k, v in stats_N.items()}
-        return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), stats)), grads
+        return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), mtp_N.mean(), stats)), grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
-        (loss, (ce, aux_loss, z_loss, stats)), grads = accumulated(state.params, state.bias, batch)
+        (loss, (ce, aux_loss, z_loss, mtp_loss, stats)), grads = accumulated(state.params, state.bias, batch)
         stacked = stack_layers(stats)
         grad_norm = optax.tree.norm(grads)
         updates, opt = optimizer.update(grads, state.opt, state.params)
@@ -160,6 +166,8 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
             "grad_norm": grad_norm,
             "finite": finite,
         }
+        if mtp_w:
+            metrics["mtp_loss"] = mtp_loss
         if stacked is not None:
             metrics["tokens_per_expert"] = stacked.tokens_per_expert
             metrics["drop_rate"] = stacked.drop_rate

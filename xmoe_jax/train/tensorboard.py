@@ -4,8 +4,8 @@ Why a sink of metric records: the loop already builds one record per log step (a
 evaluation) for metrics.jsonl; this writes the same records as TensorBoard summaries, so the two
 never disagree and the loop knows nothing about TensorBoard.
 
-  train/<key>                    loss, ce, aux_loss, z_loss, grad_norm, lr, tokens_per_s,
-                                 tflops_per_device, mfu
+  train/<key>                    loss, ce, aux_loss, z_loss, mtp_loss (with MTP), grad_norm, lr,
+                                 tokens_per_s, tflops_per_device, mfu
   eval/loss, eval/perplexity     per evaluation
   moe/imbalance/layer_<i>        max/mean routed copies of MoE layer i (i counts MoE layers)
   moe/drop_rate/layer_<i>        dropped share of routed copies
@@ -26,6 +26,7 @@ TRAIN_SCALARS = (
     "ce",
     "aux_loss",
     "z_loss",
+    "mtp_loss",
     "grad_norm",
     "lr",
     "tokens_per_s",
