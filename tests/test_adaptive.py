@@ -84,8 +84,14 @@ def _oracle(tmp_root):
     "name, over",
     [
         ("pft-bucketed", ("parallel.dispatch=pft", "parallel.transport=bucketed")),
-        ("pft-compact", ("parallel.dispatch=pft", "parallel.transport=emulated")),
-        ("rbd-bucketed", ("parallel.dispatch=rbd", "mesh.expert_nodes=2", "parallel.transport=bucketed")),
+        pytest.param(
+            "pft-compact", ("parallel.dispatch=pft", "parallel.transport=emulated"), marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "rbd-bucketed",
+            ("parallel.dispatch=rbd", "mesh.expert_nodes=2", "parallel.transport=bucketed"),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(tmp_path_factory, name, over):
@@ -130,6 +136,7 @@ def test_fixed_buffers_stop_and_no_checkpoint_holds_the_overflowed_step(tmp_path
         assert ckpt.all_steps() == []
 
 
+@pytest.mark.slow  # ~35 s; the ladder in the trainer: test_skewed_dropless_run_...[pft-bucketed]
 def test_adaptive_run_in_the_trainer_logs_changes_and_matches_worst_case(tmp_path):
     from xmoe_jax.train.loop import train
 
@@ -216,6 +223,7 @@ def test_dispatch_mode_configs_keep_working_with_dataclass_replace():
     assert par.overlap_chunks == 2
 
 
+@pytest.mark.slow  # ~20 s; the ladder itself: test_adaptive_run_in_the_trainer_...
 def test_micro_batch_statistics_keep_buffer_peaks_as_maxima(tmp_path):
     """Counts add up over micro-batches; the fullest buffer is the max, not the sum (the ladder reads it)."""
     over = ("parallel.dispatch=pft", "parallel.transport=bucketed", "parallel.adaptive_buffers=false")

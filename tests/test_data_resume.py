@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
 from data_helpers import documents, write_corpus
 
 from xmoe_jax.config import load_config
@@ -15,6 +16,7 @@ from xmoe_jax.train.loop import train
 TINY = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
+@pytest.mark.slow  # ~32 s; the mixture's resume alone: test_data_sources.py
 def test_resume_is_exact_on_a_mixture_of_every_source(tmp_path) -> None:
     paths = write_corpus(tmp_path / "corpus", documents(400, seed=7))
     extra = {"parquet": {"text_field": "body"}}

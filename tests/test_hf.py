@@ -165,6 +165,7 @@ def test_bfloat16_sharded_export_loads(converted, tmp_path) -> None:
     assert rel_err(_hf_logits(loaded, TOKENS), _hf_logits(model, TOKENS)) < 0.05  # bf16 weights
 
 
+@pytest.mark.slow  # ~25 s
 def test_deepseek_v3_mtp_module_matches_transformers_mtp_model(tmp_path) -> None:
     """Our MTP module (configs/tiny_deepseek.yaml, random weights) exported as DeepSeek's layer L
     loads in transformers' MtpModel; its logits for the next-next token equal ours."""

@@ -13,6 +13,7 @@ import shutil
 import signal
 from functools import partial
 
+import pytest
 from clirun import STEPS, Cli, args, env, losses, tiny_config
 
 from xmoe_jax.train.loop import train
@@ -29,6 +30,7 @@ def _first_step(cli: Cli) -> int:
     return int(re.search(r"step +(\d+)/", cli.out).group(1))
 
 
+@pytest.mark.slow  # ~65 s; one process's SIGTERM and resume: test_preemption.py
 def test_kills_at_random_moments_then_resume_equal_an_uninterrupted_run(
     tmp_path, tiny_reference, compile_cache
 ):
@@ -69,6 +71,7 @@ def test_kills_at_random_moments_then_resume_equal_an_uninterrupted_run(
     assert not _tmp_dirs(ckpts)
 
 
+@pytest.mark.slow  # ~30 s with its reference run; damaged checkpoints: test_integrity.py
 def test_a_bit_flip_in_the_newest_checkpoint_falls_back_to_the_previous_step(
     tmp_path, tiny_reference, caplog
 ):

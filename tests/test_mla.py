@@ -151,7 +151,13 @@ def _loss_grad(model_cfg, par: ParallelConfig, mesh_cfg: MeshConfig | None):
         return fn(*placed, tokens[:, :-1], tokens[:, 1:])
 
 
-@pytest.mark.parametrize("tensor, sequence_parallel", [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(
+    "tensor, sequence_parallel",
+    [
+        (2, False),
+        *(pytest.param(t, sp, marks=pytest.mark.slow) for t, sp in [(1, False), (4, False), (2, True)]),
+    ],
+)
 def test_mla_model_under_tensor_parallelism_equals_one_device(tensor, sequence_parallel) -> None:
     cfg = _tiny_mla()
     par = ParallelConfig(dispatch="dense", sequence_parallel=sequence_parallel)

@@ -22,7 +22,15 @@ from xmoe_jax.sharding import PARAM_RULES, logical_to_spec, make_mesh
 from xmoe_jax.train.step import stack_layers
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
-FULL_SIZE = ["small", "medium", "large", "super", "deepseek_moe_16b", "deepseek_v2_lite", "deepseek_v3"]
+FULL_SIZE = [
+    "small",
+    "medium",
+    "large",
+    "super",
+    "deepseek_moe_16b",
+    "deepseek_v2_lite",
+    pytest.param("deepseek_v3", marks=pytest.mark.slow),  # ~11 s
+]
 B, S = 8, 16
 
 

@@ -71,6 +71,7 @@ def test_mtp_is_off_by_default_and_leaves_the_main_weights_alone() -> None:
     assert float(fmodel.loss_terms(spec0, params0, {}, tokens, tokens)[1]) == 0.0
 
 
+@pytest.mark.slow  # ~35 s; node-limited rbd alone: test_rbd.py
 def test_deepseek_shaped_tiny_model_trains_with_mtp_and_node_limited_rbd(tmp_path) -> None:
     """configs/tiny_deepseek.yaml (MLA with a query latent and YaRN, sigmoid routing in 2 groups,
     one shared expert, MTP depth 1) on 2 nodes x 2 devices with node-limited rbd, data 2."""

@@ -35,6 +35,7 @@ def _clean(cli: Cli) -> None:
     assert not noise, f"{cli.err_path.name}: {noise}\n{cli.err[-3000:]}"
 
 
+@pytest.mark.slow  # ~32 s: two processes compile and train
 def test_signal_to_one_process_stops_both_at_one_step_then_resume_finishes_cleanly(tmp_path, compile_cache):
     run = tmp_path / "run"
     first = _pair(tmp_path, "first", compile_cache, run)
@@ -56,7 +57,7 @@ def test_signal_to_one_process_stops_both_at_one_step_then_resume_finishes_clean
     assert sorted(losses(run)) == list(range(1, 13))  # every step once (exactness: test_preemption.py)
 
 
-@pytest.mark.parametrize("how", ["killed", "frozen"])
+@pytest.mark.parametrize("how", ["killed", pytest.param("frozen", marks=pytest.mark.slow)])
 def test_a_dead_process_makes_the_other_stop_in_bounded_time_naming_it(tmp_path, compile_cache, how):
     run = tmp_path / "run"
     pair = _pair(tmp_path, how, compile_cache, run, "checkpoint.enabled=false")

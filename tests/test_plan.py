@@ -41,6 +41,7 @@ def test_state_sizes_are_exact(replicated):
     assert "fits" in p.table()
 
 
+@pytest.mark.slow  # ~17 s
 def test_expert_parallel_and_fsdp_divide_the_state(replicated):
     ep = plan(load_config(TINY, ["mesh.expert=8", "parallel.dispatch=pft"]))
     fsdp = plan(load_config(TINY, ["mesh.data=8", "mesh.fsdp=true", "parallel.dispatch=pft"]))

@@ -22,6 +22,7 @@ from xmoe_jax.train.loop import train
 from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 
+@pytest.mark.slow  # ~28 s: a CLI subprocess; the in-process SIGINT test below stays in the default run
 def test_sigterm_saves_the_step_in_flight_exits_75_and_resumes_exactly(
     tmp_path, tiny_reference, compile_cache
 ):

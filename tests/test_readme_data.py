@@ -12,6 +12,7 @@ import shlex
 import shutil
 
 import numpy as np
+import pytest
 import yaml
 from data_helpers import documents, train_bpe, write_jsonl
 
@@ -63,6 +64,7 @@ def _materials(root: pathlib.Path) -> None:
     (root / "configs").symlink_to(REPO / "configs")
 
 
+@pytest.mark.slow  # ~27 s: the README's commands end to end
 def test_every_command_in_your_data_runs(tmp_path, monkeypatch, capsys) -> None:
     section = _section()
     (config_yaml,) = _blocks(section, "yaml")

@@ -109,6 +109,7 @@ def test_attention_backends_agree_with_gqa_and_gradients():
     assert any("cudnn" in str(w.message) for w in seen)
 
 
+@pytest.mark.slow  # ~13 s; the backends agree: test_attention_backends_agree_with_gqa_and_gradients
 def test_model_with_pallas_attention_on_a_mesh_equals_xla():
     base = _model(attention="xla")
     _close(_run(_model(attention="pallas"), PFT, LAYOUTS["pft"][1]), _run(base, PFT, LAYOUTS["pft"][1]))
@@ -117,14 +118,30 @@ def test_model_with_pallas_attention_on_a_mesh_equals_xla():
 # ----------------------------------------------------------------------------- remat, scan
 
 
-@pytest.mark.parametrize("layout", ["pft", "rbd"])
-@pytest.mark.parametrize("mode", ["full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"])
+@pytest.mark.parametrize(
+    "layout, mode",
+    [
+        ("pft", "full"),
+        ("pft", "save_dots"),
+        *(
+            pytest.param(layout, mode, marks=pytest.mark.slow)  # ~5-12 s each
+            for layout, mode in [
+                ("pft", "save_attention_and_experts"),
+                ("pft", "save_sublayer_outputs"),
+                ("rbd", "full"),
+                ("rbd", "save_dots"),
+                ("rbd", "save_attention_and_experts"),
+                ("rbd", "save_sublayer_outputs"),
+            ]
+        ),
+    ],
+)
 def test_remat_policies_compute_the_same_gradients(layout, mode):
     par, mesh_cfg = LAYOUTS[layout]
     _close(_run(_model(remat=mode), par, mesh_cfg), _run(_model(), par, mesh_cfg), tol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["pft", "rbd"])
+@pytest.mark.parametrize("layout", ["pft", pytest.param("rbd", marks=pytest.mark.slow)])
 def test_unrolled_layers_equal_the_scan(layout):
     par, mesh_cfg = LAYOUTS[layout]
     _close(_run(_model(unroll_layers=True), par, mesh_cfg), _run(_model(), par, mesh_cfg), tol=1e-6)
@@ -174,6 +191,7 @@ def test_chunked_cross_entropy_equals_full_logits():
             assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.slow  # ~16 s; the chunked loss alone: test_chunked_cross_entropy_*
 def test_model_loss_chunks_agree():
     _close(
         _run(_model(loss_chunk=8), PFT, LAYOUTS["pft"][1]), _run(_model(loss_chunk=0), PFT, LAYOUTS["pft"][1])
@@ -235,6 +253,7 @@ def test_micro_batches_give_the_same_update(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
 
 
+@pytest.mark.slow  # ~16 s
 def test_micro_batch_balance_loss_is_the_mean_over_micro_batches(tmp_path):
     cfg = _step_cfg(tmp_path, "train.micro_batch_size=8")
     _, metrics = _one_step(cfg)
@@ -254,6 +273,7 @@ def test_micro_batch_balance_loss_is_the_mean_over_micro_batches(tmp_path):
 # ----------------------------------------------------------------------------- per-layer checkpoints
 
 
+@pytest.mark.slow  # ~55 s: trains, converts and resumes twice
 def test_per_layer_checkpoint_restores_into_the_stacks(tmp_path):
     """A checkpoint with one subtree per layer (the layout before layer stacks) resumes exactly."""
     from xmoe_jax.train import layout

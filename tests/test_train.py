@@ -37,6 +37,7 @@ EP = [
 ]
 
 
+@pytest.mark.slow  # ~32 s; exact resume in the default run: test_preemption.py (SIGINT)
 def test_resume_is_exact(tmp_path):
     full = train(tiny(tmp_path / "full", "train.steps=6", *EP))
     first = train(tiny(tmp_path / "split", "train.steps=3", *EP))
@@ -204,7 +205,7 @@ def rbd_run(tmp_path_factory):
     return root, full
 
 
-@pytest.mark.parametrize("second", ["pft", "padded"])
+@pytest.mark.parametrize("second", ["pft", pytest.param("padded", marks=pytest.mark.slow)])
 def test_resume_under_another_dispatch_mode(rbd_run, second):
     root, full = rbd_run
     run = root / f"split-{second}"
