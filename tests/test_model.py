@@ -223,3 +223,26 @@ def test_tied_embeddings_share_the_embedding_as_head() -> None:
     untied = {**params, "lm_head": params["embed"].T}  # the same model, untied
     want, _ = apply(model_spec(hidden_spec), untied, bias, tokens)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+
+
+def test_fsdp_splits_non_expert_weights_over_data_and_expert():
+    """FSDP: attention/dense weights split their model dim over data x expert (not replicated over
+    the expert axes); expert weights keep experts on the expert axes and take data; a dim the whole
+    group does not divide keeps the leading axes that do."""
+    from xmoe_jax.model.functional import shardings
+
+    cfg = load_config(CONFIGS / "tiny.yaml", ["mesh.data=2", "mesh.expert=4"])
+    spec = model_spec(cfg.model, cfg.parallel)
+    mesh = make_mesh(MeshConfig(data=2, expert=4))
+    params_sh, _ = shardings(spec, mesh, fsdp=True)
+    flat = {jax.tree_util.keystr(k): s.spec for k, s in jax.tree_util.tree_leaves_with_path(params_sh)}
+    wq = next(v for k, v in flat.items() if k.endswith("['wq']"))
+    w_up = next(v for k, v in flat.items() if "experts" in k and k.endswith("['w_up']"))
+    assert wq[1] == ("data", "expert_node", "expert")  # [layers, embed, heads, head_dim]
+    assert w_up[1:3] == (("expert_node", "expert"), "data")  # [layers, experts, embed, expert_mlp]
+    from jax.sharding import PartitionSpec as P
+
+    from xmoe_jax.sharding import FSDP_AXES, named_sharding, param_rules
+
+    odd = named_sharding(mesh, ("embed",), (6,), param_rules(fsdp=True), prefix=True).spec
+    assert odd == P(("data", "expert_node")) and FSDP_AXES[0] == "data"  # 6 % 8 != 0, 6 % 2 == 0

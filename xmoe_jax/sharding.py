@@ -12,8 +12,8 @@ What is sharded where (`-` = replicated; TP = tensor parallelism):
 |---------------------------------|-----------|----------|----------------------------|
 | tokens / batch                  | split     | split    | -                          |
 | residual stream [B,S,D]         | split     | split    | S split (sequence_parallel)|
-| attention heads, MLP F (TP)     | (fsdp: D) | -        | split (column / row)       |
-| vocab (embed, lm head)          | (fsdp: D) | -        | split                      |
+| attention heads, MLP F (TP)     | (fsdp: D) | (fsdp: D, with data) | split (column / row) |
+| vocab (embed, lm head)          | (fsdp: D) | (fsdp: D, with data) | split              |
 | MoE block tokens                | split     | split    | split (parallel.ssmb)      |
 | expert weights [E,D,F]          | (fsdp: D) | E split  | F split (parallel.expert_tensor_parallel) |
 | expert buffers [E,C,D] (padded) | -         | E split  | -                          |
@@ -57,7 +57,13 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "router_experts": None,
     "norm": None,
 }
-FSDP_PARAM_RULES = {**PARAM_RULES, "embed": "data", "latent": "data"}  # MLA's wq_b, wkv_b have no embed dim
+# FSDP splits every weight's model dim over the whole data-parallel group, data x expert (the
+# distributed optimizer of DeepSeek-V3 and Megatron shards over all data-parallel ranks): the
+# attention, dense and shared weights are then not replicated over the expert axes, and expert
+# weights, whose `experts` dim already holds the expert axes, take `data` alone (an axis is used
+# once). MLA's wq_b and wkv_b have no embed dim: their latent dim is split instead.
+FSDP_AXES = ("data", *EXPERT_AXES)
+FSDP_PARAM_RULES = {**PARAM_RULES, "embed": FSDP_AXES, "latent": FSDP_AXES}
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", *EXPERT_AXES),
@@ -126,13 +132,25 @@ def logical_to_spec(names: Sequence[str | None], rules: dict) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def _fits(mesh: Mesh, shape: Sequence[int], spec: PartitionSpec) -> PartitionSpec:
-    """Drops sharding on dimensions the mesh axes do not divide (tiny configs, odd sizes)."""
+def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _fits(mesh: Mesh, shape: Sequence[int], spec: PartitionSpec, prefix: bool = False) -> PartitionSpec:
+    """Drops sharding on dimensions the mesh axes do not divide (tiny configs, odd sizes); with
+    `prefix`, keeps the longest leading run of a dimension's axes that divides it instead (FSDP:
+    7168 over data 32 x expert 64 = 2048 ways does not divide, over data 32 it does)."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=False):
         axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = int(np.prod([mesh.shape[a] for a in axes_t])) if axes_t else 1
-        out.append(axes if size > 1 and dim % size == 0 else None)
+        keep = len(axes_t)
+        while keep and dim % _size(mesh, axes_t[:keep]):
+            keep = keep - 1 if prefix else 0
+        if keep == len(axes_t):
+            out.append(axes if axes_t and _size(mesh, axes_t) > 1 else None)
+        else:
+            kept = axes_t[:keep]
+            out.append(None if _size(mesh, kept) == 1 else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
 
 
@@ -182,15 +200,16 @@ def axis_size(mesh: Mesh | None, axes: str | Sequence[str]) -> int:
 
 
 def named_sharding(
-    mesh: Mesh, names: Sequence[str | None], shape: Sequence[int], rules: dict
+    mesh: Mesh, names: Sequence[str | None], shape: Sequence[int], rules: dict, prefix: bool = False
 ) -> NamedSharding:
-    return NamedSharding(mesh, _fits(mesh, shape, logical_to_spec(names, rules)))
+    return NamedSharding(mesh, _fits(mesh, shape, logical_to_spec(names, rules), prefix))
 
 
 def tree_shardings(mesh: Mesh, abstract_tree, logical_tree, rules: dict):
-    """NamedShardings for a pytree of arrays given a matching pytree of logical-name tuples."""
+    """NamedShardings for a pytree of parameters given a matching pytree of logical-name tuples
+    (a dimension keeps the leading mesh axes that divide it)."""
     return jax.tree.map(
-        lambda x, names: named_sharding(mesh, names, x.shape, rules),
+        lambda x, names: named_sharding(mesh, names, x.shape, rules, prefix=True),
         abstract_tree,
         logical_tree,
         is_leaf=lambda n: isinstance(n, tuple),
