@@ -55,6 +55,28 @@ class ExchangeSpec(NamedTuple):
     mean_rows: float | None = None  # the binding buffer's rows at factor 1: T*K (compact), T*K/P (chunked)
 
 
+def _buffer_rows(
+    num_experts: int,
+    top_k: int,
+    num_tokens: int,
+    num_peers: int,
+    capacity: int | None,
+    factor: float | None,
+    per_pair: bool,
+) -> int:
+    """Rows of a receive buffer that holds what `sources` devices send one device (all P peers
+    for the compact layout, one per chunk of the chunked layout): at most T*min(K, L) per source
+    (L*C with a per-expert capacity C), capped at f x the average, T*K*sources/P."""
+    local_experts = num_experts // num_peers
+    sources = 1 if per_pair else num_peers
+    worst = sources * num_tokens * min(top_k, local_experts)
+    if capacity is not None:
+        worst = min(worst, sources * local_experts * capacity)
+    if factor is not None:
+        worst = min(worst, math.ceil(factor * num_tokens * top_k / (num_peers if per_pair else 1)))
+    return max(worst, 1)
+
+
 def recv_rows(
     num_experts: int,
     top_k: int,
@@ -63,19 +85,13 @@ def recv_rows(
     capacity: int | None = None,
     factor: float | None = None,
 ) -> int:
-    """Static receive-buffer rows M for T local tokens and P peers.
+    """Static receive-buffer rows M for T local tokens and P peers (compact layout).
 
     Worst case: every peer sends every token to min(K, L) of my experts. With a
     per-expert `capacity` C, a peer sends at most L*C rows. `factor` f caps M at
     ceil(f * T * K) (f = 1 is the average load under perfect balance).
     """
-    local_experts = num_experts // num_peers
-    worst = num_peers * num_tokens * min(top_k, local_experts)
-    if capacity is not None:
-        worst = min(worst, num_peers * local_experts * capacity)
-    if factor is not None:
-        worst = min(worst, math.ceil(factor * num_tokens * top_k))
-    return max(worst, 1)
+    return _buffer_rows(num_experts, top_k, num_tokens, num_peers, capacity, factor, per_pair=False)
 
 
 def pair_rows(
@@ -88,13 +104,7 @@ def pair_rows(
 ) -> int:
     """Rows per (source, destination) chunk of the chunked layout: f x the average T*K/P,
     at most the worst case one source can send one destination, T*min(K, L) (L*C with capacity)."""
-    local_experts = num_experts // num_peers
-    worst = num_tokens * min(top_k, local_experts)
-    if capacity is not None:
-        worst = min(worst, local_experts * capacity)
-    if factor is not None:
-        worst = min(worst, math.ceil(factor * num_tokens * top_k / num_peers))
-    return max(worst, 1)
+    return _buffer_rows(num_experts, top_k, num_tokens, num_peers, capacity, factor, per_pair=True)
 
 
 def _grouped_index(cc_PL: jax.Array, seg_start_PL: jax.Array, num_rows: int) -> jax.Array:
