@@ -123,6 +123,8 @@ def test_model_with_pallas_attention_on_a_mesh_equals_xla():
     [
         ("pft", "full"),
         ("pft", "save_dots"),
+        ("pft", "save_exchange"),
+        ("rbd", "save_exchange"),
         *(
             pytest.param(layout, mode, marks=pytest.mark.slow)  # ~5-12 s each
             for layout, mode in [
@@ -132,6 +134,7 @@ def test_model_with_pallas_attention_on_a_mesh_equals_xla():
                 ("rbd", "save_dots"),
                 ("rbd", "save_attention_and_experts"),
                 ("rbd", "save_sublayer_outputs"),
+                ("pft", "offload_experts"),
             ]
         ),
     ],
@@ -166,6 +169,29 @@ def test_remat_lowers_compiled_temporary_memory():
     full = _temp_bytes(_model(remat="full", **deep), par, mesh_cfg)
     sub = _temp_bytes(_model(remat="save_sublayer_outputs", **deep), par, mesh_cfg)
     assert full < sub < none, (full, sub, none)
+
+
+def _all_to_alls(model_cfg, par, mesh_cfg) -> int:
+    return _compiled(model_cfg, par, mesh_cfg).as_text().count(" all-to-all(")
+
+
+@pytest.mark.parametrize("layout", ["pft", "rbd"])
+def test_save_exchange_runs_each_exchange_as_often_as_no_recomputation(layout):
+    """`save_exchange` keeps what the all-to-alls delivered: its step holds as many all-to-alls as
+    `none` (forward and transpose), where `full` runs the forward exchanges again."""
+    par, mesh_cfg = LAYOUTS[layout]
+    counts = {m: _all_to_alls(_model(remat=m), par, mesh_cfg) for m in ("none", "save_exchange", "full")}
+    assert counts["save_exchange"] == counts["none"] < counts["full"], counts
+
+
+def test_remat_holds_when_layers_run_straight_line():
+    """Unrolled layers (or a scan whose one iteration holds them all) put the forward and backward
+    in one program; XLA's CSE must not merge the recomputation back into the forward."""
+    par, mesh_cfg = LAYOUTS["pft"]
+    deep = dict(num_layers=6, num_dense_layers=1, unroll_layers=True)
+    none = _temp_bytes(_model(**deep), par, mesh_cfg)
+    full = _temp_bytes(_model(remat="full", **deep), par, mesh_cfg)
+    assert full < 0.7 * none, (full, none)
 
 
 # ----------------------------------------------------------------------------- chunked loss

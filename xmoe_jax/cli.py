@@ -28,6 +28,7 @@ XMOE_* variables and SLURM combine is `xmoe_jax.distributed`'s rule.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -189,6 +190,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         "--real-devices", action="store_true", help="compile for this host's accelerators (count must match)"
     )
     p.add_argument("--out", default=None, help="also write the plan as JSON here")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print state bytes per parameter and activation bytes per token per layer by category",
+    )
     args = p.parse_args(argv)
     if args.devices < 1:
         return _fail(ConfigError(f"--devices={args.devices} must be >= 1"))
@@ -217,9 +223,17 @@ def plan_main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         return _fail(err)
     print(result.table())
-    if args.out:
-        import json
+    if args.breakdown:
+        from xmoe_jax.perf.breakdown import activation_breakdown, state_bytes_per_param
 
+        per_param = state_bytes_per_param(cfg, result.params, result.optimizer, result.gradients)
+        print("  state, bytes per parameter: " + ", ".join(f"{k} {v:.1f}" for k, v in per_param.items()))
+        acts = activation_breakdown(cfg)
+        print("\n".join(acts.table()))
+        result.notes.append(
+            "breakdown: " + json.dumps({"per_param": per_param, "activations": acts.per_category})
+        )
+    if args.out:
         with open(args.out, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
 

@@ -30,7 +30,9 @@ DType = Literal["bfloat16", "float32", "float16"]
 ParamDType = Literal["float32", "bfloat16"]
 DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
-RematMode = Literal["none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs"]
+RematMode = Literal[
+    "none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs", "save_exchange", "offload_experts"
+]
 NanPolicy = Literal["stop", "skip"]
 QKNorm = Literal["none", "head", "full"]
 AttentionType = Literal["mha", "mla"]

@@ -8,9 +8,11 @@ rest in the backward pass. The block input is always kept (it is the scan carry)
 |-----------------------------|---------------------------------------------------------|----------------------------------------------|
 | none                        | everything autodiff keeps                               | nothing                                      |
 | full                        | the block input only                                    | the whole block, exchange included           |
-| save_dots                   | every matmul output (q/k/v/o projections, MLA's latents and their expansion, attention core, dense MLP and expert GEMMs) and the dispatched rows | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
-| save_attention_and_experts  | the attention core output, the expert GEMM outputs and the dispatched rows | norms, projections, activations, routing, permutes |
+| save_dots                   | every matmul output (q/k/v/o projections, MLA's latents and their expansion, attention core, dense MLP and expert GEMMs) and what the exchanges delivered | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
+| save_attention_and_experts  | the attention core output, the expert GEMM outputs and what the exchanges delivered | norms, projections, activations, routing, permutes |
 | save_sublayer_outputs       | the attention and MLP/MoE branch outputs                | everything inside them (the MoE exchange runs again) |
+| save_exchange               | what each all-to-all delivered (dispatched rows, returned expert outputs) | everything else: the exchanges never run a third time |
+| offload_experts             | as save_exchange, and the expert GEMMs' hidden and outputs moved to pinned host memory, brought back for the backward pass (Megatron's fine-grained activation offloading) | everything else |
 
 Model FLOPs for MFU never count the recomputation (train/metrics.py).
 """
@@ -29,15 +31,36 @@ MOE_DISPATCHED, EXPERT_HIDDEN, EXPERT_OUT, MOE_OUT = (
     "expert_out",
     "moe_out",
 )
+# what an exchange (all-to-all) delivers: the dispatched rows on the expert side, the expert
+# outputs back on the token side (pft; rbd's stages and its combine), and what rides with them
+EXCHANGE_IN, EXCHANGE_OUT = "exchange_in", "exchange_out"
 
 _save = jax.checkpoint_policies.save_only_these_names
 POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": _save(
-        ATTN_QKV, ATTN_CORE, ATTN_OUT, MLP_HIDDEN, MLP_OUT, MOE_DISPATCHED, EXPERT_HIDDEN, EXPERT_OUT
+        ATTN_QKV,
+        ATTN_CORE,
+        ATTN_OUT,
+        MLP_HIDDEN,
+        MLP_OUT,
+        MOE_DISPATCHED,
+        EXCHANGE_IN,
+        EXCHANGE_OUT,
+        EXPERT_HIDDEN,
+        EXPERT_OUT,
+    ),  # fmt: skip
+    "save_attention_and_experts": _save(
+        ATTN_CORE, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, EXPERT_OUT
     ),
-    "save_attention_and_experts": _save(ATTN_CORE, MOE_DISPATCHED, EXPERT_HIDDEN, EXPERT_OUT),
     "save_sublayer_outputs": _save(ATTN_OUT, MLP_OUT, MOE_OUT),
+    "save_exchange": _save(EXCHANGE_IN, EXCHANGE_OUT),
+    "offload_experts": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(EXCHANGE_IN, EXCHANGE_OUT),
+        names_which_can_be_offloaded=(EXPERT_HIDDEN, EXPERT_OUT),
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 REMAT_MODES = ("none", *POLICIES)
 
@@ -47,10 +70,19 @@ def tag(x, name: str):
     return checkpoint_name(x, name)
 
 
-def remat(fn, mode: str):
-    """`fn` under the policy `mode` (unchanged for "none")."""
+def remat(fn, mode: str, straight_line: bool = False):
+    """`fn` under the policy `mode` (unchanged for "none").
+
+    `straight_line`: the forward and backward layers end up in one straight-line program (layers
+    unrolled, or a scan whose one iteration holds every layer, which XLA inlines). XLA's common
+    subexpression elimination would then merge each recomputation with the forward value it
+    repeats and keep that value alive until the backward pass, undoing the policy (measured: the
+    `save_dots` step held exactly what `none` holds). The recomputation is fenced off then; inside
+    a looping scan the loop boundary already keeps them apart, and the fence would only cost
+    speed.
+    """
     if mode == "none":
         return fn
     if mode not in POLICIES:
         raise ValueError(f"model.remat={mode!r} is not one of {list(REMAT_MODES)}")
-    return jax.checkpoint(fn, policy=POLICIES[mode], prevent_cse=False)
+    return jax.checkpoint(fn, policy=POLICIES[mode], prevent_cse=straight_line)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.model.attention import attend
+from xmoe_jax.model.norm import rms_norm
 from xmoe_jax.model.rope import rope
 from xmoe_jax.remat import ATTN_CORE, ATTN_QKV, MLP_HIDDEN, MLP_OUT, tag
 
@@ -41,7 +42,8 @@ def dtypes(cfg: ModelConfig):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale in float32; `shape` is the normalised trailing dims (one or more axes)."""
+    """x / rms(x) * scale in float32; `shape` is the normalised trailing dims (one or more axes).
+    The backward pass keeps only x (model/norm.py)."""
 
     def __init__(self, dim: int | tuple[int, ...], eps: float, param_dtype, logical=("norm",)):
         shape = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -50,10 +52,7 @@ class RMSNorm(nnx.Module):
         self.num_axes = len(shape)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        axes = tuple(range(-self.num_axes, 0))
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps, tuple(range(-self.num_axes, 0)))
 
 
 Q_NAMES = ("batch", None, "heads", "head_dim")

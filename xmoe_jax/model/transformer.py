@@ -77,10 +77,11 @@ class Transformer(nnx.Module):
         def layer(x_BSD, layer_state):
             return nnx.merge(graphdef, layer_state)(x_BSD)
 
-        layer = remat(layer, self.cfg.remat)
+        num_layers = jax.tree.leaves(state)[0].shape[0]
+        straight_line = self.cfg.unroll_layers or self.cfg.scan_unroll >= num_layers
+        layer = remat(layer, self.cfg.remat, straight_line)
         if not self.cfg.unroll_layers:
             return jax.lax.scan(layer, x_BSD, state, unroll=self.cfg.scan_unroll)
-        num_layers = jax.tree.leaves(state)[0].shape[0]
         outs = []
         for i in range(num_layers):
             x_BSD, stats = layer(x_BSD, jax.tree.map(lambda a, i=i: a[i], state))

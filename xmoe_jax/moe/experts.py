@@ -7,10 +7,12 @@ down(gelu(x @ up)).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.kernels import gmm
+from xmoe_jax.kernels import gmm, permute, tgmm
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
 
@@ -48,19 +50,85 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
     return y_TD
 
 
-def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str) -> jax.Array:
-    """Experts over a flat expert-major buffer: rows of group e go through expert e.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _permute_up(x_TD, dest_TK, num_rows: int, w_up: tuple, group_sizes_E):
+    """The expert input rows x_RD = permute(x_TD, dest_TK) through each up-projection matrix (cast to
+    the rows' dtype); returns one [R, F] hidden per matrix.
 
-    Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm`
-    (the Pallas kernel on GPU, `ragged_dot` on CPU), whose backward passes are grouped
-    GEMMs too.
-    """
-    dtype = x_RD.dtype
-    gs_E = group_sizes_E.astype(jnp.int32)
-    h_up = tag(gmm(x_RD, experts["w_up"].astype(dtype), gs_E), EXPERT_HIDDEN)
-    h_gate = (
-        tag(gmm(x_RD, experts["w_gate"].astype(dtype), gs_E), EXPERT_HIDDEN)
-        if activation == "swiglu"
-        else None
+    The backward pass keeps x_TD (T rows, which the caller keeps anyway) instead of the K-times
+    larger x_RD, and the weights as passed (the float32 masters) instead of their cast copies, and
+    recomputes both: a gather and a cast against the grouped GEMMs they feed."""
+    x_RD = permute(x_TD, dest_TK, num_rows)
+    return tuple(gmm(x_RD, w.astype(x_RD.dtype), group_sizes_E) for w in w_up)
+
+
+def _permute_up_fwd(x_TD, dest_TK, num_rows, w_up, group_sizes_E):
+    return _permute_up(x_TD, dest_TK, num_rows, w_up, group_sizes_E), (x_TD, dest_TK, w_up, group_sizes_E)
+
+
+def _permute_up_bwd(num_rows, res, d_hidden):
+    x_TD, dest_TK, w_up, group_sizes_E = res
+    x_RD, permute_vjp = jax.vjp(lambda x: permute(x, dest_TK, num_rows), x_TD)
+    d_hidden = [d.astype(x_RD.dtype) for d in d_hidden]
+    dx_RD = sum(
+        gmm(d, w.astype(x_RD.dtype), group_sizes_E, transpose_rhs=True)
+        for d, w in zip(d_hidden, w_up, strict=True)
     )
-    return tag(gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E), EXPERT_OUT)
+    dw = tuple(tgmm(x_RD, d, group_sizes_E).astype(w.dtype) for d, w in zip(d_hidden, w_up, strict=True))
+    (dx_TD,) = permute_vjp(dx_RD)
+    return dx_TD, None, dw, None
+
+
+_permute_up.defvjp(_permute_up_fwd, _permute_up_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _act_down(hidden, w_EFD, group_sizes_E, activation: str):
+    """gmm(act(hidden), w cast to the hidden dtype). The backward keeps the pre-activation hidden
+    (one [R, F] per input matrix) and the master w, and recomputes the activation (elementwise) and
+    the cast: autodiff would keep the activation's output and intermediates beside its input."""
+    act_RF = _act(*hidden, activation)
+    return gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E)
+
+
+def _act_down_fwd(hidden, w_EFD, group_sizes_E, activation):
+    return _act_down(hidden, w_EFD, group_sizes_E, activation), (hidden, w_EFD, group_sizes_E)
+
+
+def _act_down_bwd(activation, res, d_RD):
+    hidden, w_EFD, group_sizes_E = res
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    d_RD = d_RD.astype(act_RF.dtype)
+    w = w_EFD.astype(act_RF.dtype)
+    d_act_RF = gmm(d_RD, w, group_sizes_E, transpose_rhs=True)
+    dw_EFD = tgmm(act_RF, d_RD, group_sizes_E).astype(w_EFD.dtype)
+    return act_vjp(d_act_RF), dw_EFD, None
+
+
+_act_down.defvjp(_act_down_fwd, _act_down_bwd)
+
+
+def grouped_experts(
+    x_TD: jax.Array,
+    dest_TK: jax.Array,
+    num_rows: int,
+    experts: dict,
+    group_sizes_E: jax.Array,
+    activation: str,
+) -> jax.Array:
+    """Experts over a flat expert-major buffer: rows of group e go through expert e; [R, D].
+
+    The rows are `permute(x_TD, dest_TK, num_rows)` (kernels.permute: row dest[t, k] holds x[t];
+    a [R, 1] dest of row indices gathers a buffer into a new order). Rows past
+    sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm` (the Pallas kernel
+    on GPU, `ragged_dot` on CPU), whose backward passes are grouped GEMMs too. What the backward
+    pass keeps: x_TD and the pre-activation hidden; the permuted rows, the activation and the
+    weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`).
+    """
+    gs_E = group_sizes_E.astype(jnp.int32)
+    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
+    hidden = _permute_up(x_TD, dest_TK, int(num_rows), tuple(experts[n] for n in names), gs_E)
+    hidden = tuple(tag(h, EXPERT_HIDDEN) for h in hidden)
+    if activation != "swiglu":
+        hidden = (None, *hidden)
+    return tag(_act_down(hidden, experts["w_down"], gs_E, activation), EXPERT_OUT)

@@ -41,7 +41,7 @@ from xmoe_jax.moe.exchange import exclusive_cumsum
 from xmoe_jax.moe.experts import grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats
-from xmoe_jax.remat import MOE_DISPATCHED, tag
+from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
 class ExchangeSpec(NamedTuple):
@@ -148,9 +148,11 @@ def pft_stages(
         num_send = num_tokens * top_k
         counts_E = jnp.zeros((num_e,), jnp.int32).at[topk_idx_TK].add(keep_TK.astype(jnp.int32))
         dest_TK = jnp.where(keep_TK, exclusive_cumsum(counts_E)[topk_idx_TK] + pos_TK, num_send)
+        # the send buffer is the experts' input; the experts permute it themselves (so their
+        # backward pass keeps x_TD, not this K-times larger buffer): this copy is for stage timing
         x_send_AD = tag(permute(x_TD, dest_TK, num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
-        y_send_AD = grouped_experts(x_send_AD, experts, counts_E, spec.activation)
+        y_send_AD = grouped_experts(x_TD, dest_TK, num_send, experts, counts_E, spec.activation)
         yield "experts", (y_send_AD,)
         sent_TK, zero = keep_TK, jnp.zeros((), jnp.float32)
         stats = ExchangeStats(
@@ -168,14 +170,15 @@ def pft_stages(
         dest_TK, sent_TK = lay.dest_TK, lay.sent_TK
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
-        x_recv_MD = lay.forward(x_send_AD)
+        x_recv_MD = tag(lay.forward(x_send_AD), EXCHANGE_IN)
         yield "exchange", (x_recv_MD,)
         grouped_M = _grouped_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
-        x_grp_MD = tag(permute(x_recv_MD, grouped_M[:, None], lay.num_recv), MOE_DISPATCHED)
-        y_grp_MD = grouped_experts(x_grp_MD, experts, lay.cc_PL.sum(0), spec.activation)
+        y_grp_MD = grouped_experts(
+            x_recv_MD, grouped_M[:, None], lay.num_recv, experts, lay.cc_PL.sum(0), spec.activation
+        )
         yield "experts", (y_grp_MD,)
         y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((lay.num_recv, 1), jnp.float32))
-        y_send_AD = lay.backward(y_recv_MD)
+        y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)
         yield "return", (y_send_AD,)
         stats = ExchangeStats(  # dispatch + combine: both directions carry the same rows
             num_overflow=jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32),

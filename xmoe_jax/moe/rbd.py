@@ -44,7 +44,7 @@ from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
-from xmoe_jax.remat import MOE_DISPATCHED, tag
+from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
 def stage2_spec(
@@ -146,10 +146,18 @@ def rbd_stages(
     sizes_PQ = jax.lax.all_gather(counts_N, node_axis)  # [source node, dest node] pilots
     plan = plan_from_sizes(sizes_PQ, sizes_PQ, jax.lax.axis_index(node_axis))
     x_pil_MD = tag(
-        exchange(x_send_AD, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens), MOE_DISPATCHED
+        tag(
+            exchange(x_send_AD, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens),
+            EXCHANGE_IN,
+        ),
+        MOE_DISPATCHED,
     )
-    w_pil_MS = exchange(w_send_AS, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens)
-    idx_pil_MS = move_rows(idx_send_AS, plan, num_recv, node_axis, stage1_transport, num_tokens)
+    w_pil_MS = tag(
+        exchange(w_send_AS, plan, num_recv, num_send, node_axis, stage1_transport, num_tokens), EXCHANGE_IN
+    )
+    idx_pil_MS = tag(
+        move_rows(idx_send_AS, plan, num_recv, node_axis, stage1_transport, num_tokens), EXCHANGE_IN
+    )
     valid_M = jnp.arange(num_recv) < plan.recv_sizes_P.sum()
     keep_MS = valid_M[:, None] & (idx_pil_MS < per_node)
     yield "stage1", (x_pil_MD, w_pil_MS, idx_pil_MS)
@@ -185,8 +193,9 @@ def rbd_stages(
     yield "stage2/combine", (y_pil_MD,)
 
     # combine: one partial sum per (token, node) back along the node axis, then summed per token
-    y_back_AD = exchange(
-        y_pil_MD, plan.reverse(), num_send, num_recv, node_axis, stage1_transport, num_tokens
+    y_back_AD = tag(
+        exchange(y_pil_MD, plan.reverse(), num_send, num_recv, node_axis, stage1_transport, num_tokens),
+        EXCHANGE_OUT,
     )
     yield "return", (y_back_AD,)
     y_TD = combine(y_back_AD, dest_TN, hit_TN.astype(jnp.float32))
