@@ -250,3 +250,36 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_track_float32():
     ):
         step16, step32 = np.asarray(a) - p, np.asarray(b) - p
         np.testing.assert_allclose(step16, step32, rtol=2e-2, atol=2e-2 * np.abs(step32).max())
+
+
+# ----------------------------------------------------------------------------- training curve
+
+CURVE_STEPS = 300
+# every 50-step window's mean loss with bf16 moments within this fraction of fp32's (measured at most
+# 1.1%, in steps 201-250: benchmarks/bf16_moments_cpu.md)
+CURVE_TOLERANCE = 0.03
+
+
+@pytest.mark.slow  # ~2 x 1-4 min (CPU): the tiny model trained twice for 300 steps
+def test_bfloat16_moments_train_like_float32(tmp_path):
+    from xmoe_jax.train.loop import train
+
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(
+            TINY,
+            [
+                f"train.run_dir={tmp_path / dtype}",
+                f"train.steps={CURVE_STEPS}",
+                "train.log_every=50",
+                "checkpoint.enabled=false",
+                "train.tensorboard=false",
+                f"optimizer.state_dtype={dtype}",
+            ],
+        )
+        result = train(cfg)
+        losses[dtype] = np.array([result.losses[s] for s in sorted(result.losses)])
+    f32, bf16 = losses["float32"], losses["bfloat16"]
+    assert f32[-50:].mean() < 0.5 * f32[:50].mean()  # it trained
+    window_f32, window_bf16 = f32.reshape(-1, 50).mean(1), bf16.reshape(-1, 50).mean(1)
+    np.testing.assert_allclose(window_bf16, window_f32, rtol=CURVE_TOLERANCE)

@@ -147,6 +147,14 @@ def test_non_finite_update_with_finite_loss_never_reaches_params_or_checkpoints(
                 assert np.isfinite(np.asarray(leaf, np.float32)).all(), f"non-finite leaf at step {step}"
 
 
+@pytest.mark.slow  # ~30 s: two short runs
+def test_resume_with_another_state_dtype_casts_the_moments(tmp_path):
+    run = tmp_path / "run"
+    train(tiny(run, "train.steps=2", "checkpoint.every=2", "checkpoint.async_save=false"))
+    resumed = train(tiny(run, "train.steps=4", "optimizer.state_dtype=bfloat16"), resume=True)
+    assert sorted(resumed.losses) == [3, 4] and not resumed.skipped
+
+
 def test_bad_inputs_fail_before_compiling(tmp_path):
     with pytest.raises(ConfigError, match="data.path"):
         train(tiny(tmp_path / "a", "data.source=text", f"data.path={tmp_path / 'missing.txt'}"))
