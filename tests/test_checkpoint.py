@@ -271,3 +271,22 @@ def test_restore_without_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"step 3.*\[2\]"):
         ck.restore({"x": jax.ShapeDtypeStruct((1,), jnp.float32)}, step=3)
     ck.close()
+
+
+def test_float_dtype_change_is_cast_on_restore(tmp_path):
+    """optimizer.state_dtype changed on resume: a leaf saved in float32 restores into a bfloat16
+    target (and back) as its value cast; the manifest still checks what was written."""
+    state = _state()
+    dev = SingleDeviceSharding(jax.devices()[0])
+    with Checkpointer(tmp_path, _cfg()) as ck:
+        ck.save(1, state)
+        target = _abstract(state, dev)
+        target["opt"]["mu"] = [jax.ShapeDtypeStruct((2,), jnp.bfloat16, sharding=dev)]
+        restored = ck.restore(target)
+        assert restored["opt"]["mu"][0].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(restored["opt"]["mu"][0], np.float32), [-1.5, -1.5])
+        _assert_bitwise_equal(restored["params"], state["params"])
+        ck.save(2, restored)
+        restored = ck.restore(_abstract(state, dev), step=2)  # bfloat16 on disk, float32 target
+        assert restored["opt"]["mu"][0].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(restored["opt"]["mu"][0]), [-1.5, -1.5])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 
@@ -182,3 +183,36 @@ def test_old_checkpoint_config_dicts_migrate() -> None:
         True,
     )
     assert "dispatch" in old["model"]["moe"]  # the input is left as it was
+
+
+# values that used to pass validation and then crash or stop on a non-finite loss (issue 23, 2.8)
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("model.head_dim=0", "model.head_dim=0 must be >= 1"),
+        ("model.head_dim=-16", "model.head_dim=-16 must be >= 1"),
+        ("model.moe.capacity_factor=.inf", "model.moe.capacity_factor=inf must be a finite number"),
+        ("model.init_std=.nan", "model.init_std=nan must be a finite number"),
+        ("model.moe.aux_loss_weight=.nan", "model.moe.aux_loss_weight=nan must be a finite number"),
+        ("model.rope_theta=-1", "model.rope_theta=-1.0 must be > 0"),
+        ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number"),
+        ("optimizer.eps=0", "optimizer.eps=0.0 must be > 0"),
+        ("model.norm_eps=-1e-6", "model.norm_eps=-1e-06 must be > 0"),
+        ("model.moe.z_loss_weight=-0.1", "model.moe.z_loss_weight=-0.1 must be >= 0"),
+        ("model.rope_scaling={mscale: .inf}", "model.rope_scaling.mscale=inf must be a finite number"),
+        ("train.seed=-1", "train.seed=-1 must be >= 0"),
+        ("optimizer.decay_steps=0", "optimizer.decay_steps=0 must be >= 1"),
+        ("eval.holdout=.nan", "eval.holdout"),
+    ],
+)
+def test_numbers_that_cannot_train_are_refused(override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(TINY, [override])
+
+
+def test_cli_refuses_an_infinite_learning_rate_before_compiling(capsys) -> None:
+    from xmoe_jax.cli import train_main
+
+    assert train_main(["--config", str(TINY), "--set", "optimizer.lr=inf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimizer.lr=inf must be a finite number" in err[0]

@@ -36,6 +36,9 @@ def test_state_sizes_are_exact(replicated):
     assert p.params == 4 * total  # float32 masters, replicated over data
     assert p.optimizer >= 2 * p.params  # AdamW's two moments (plus counters)
     assert p.gradients == p.params
+    assert p.bytes_per_param == pytest.approx(
+        {"params": 4, "moments": 8, "gradients": 4, "accumulators": 0}, rel=1e-3
+    )
     assert p.temporaries > 0 and p.peak >= p.arguments
     assert p.fits and p.advice == []
     assert "fits" in p.table()
@@ -77,3 +80,41 @@ def test_plan_compiles_the_step_the_trainer_runs_first():
     assert any("bucketed" in n for n in adaptive.notes) and "note: " in adaptive.table()
     worst = plan(load_config(TINY, [*base, "parallel.adaptive_buffers=false", "parallel.transport=emulated"]))
     assert worst.notes == [] and worst.temporaries > adaptive.temporaries
+
+
+@pytest.mark.parametrize(
+    "overrides, want",
+    [
+        ([], {"params": 4, "moments": 8, "gradients": 4, "accumulators": 0}),
+        (["optimizer.state_dtype=bfloat16"], {"params": 4, "moments": 4, "gradients": 4, "accumulators": 0}),
+        (
+            ["optimizer.state_dtype=bfloat16", "model.param_dtype=bfloat16", "train.micro_batch_size=4"],
+            {"params": 2, "moments": 4, "gradients": 2, "accumulators": 4},
+        ),
+        (["mesh.data=8", "mesh.fsdp=true"], {"params": 4, "moments": 8, "gradients": 4, "accumulators": 0}),
+    ],
+)
+def test_state_bytes_per_param(overrides, want):
+    """The state's breakdown from shardings alone (no compile): float32 or bfloat16 moments."""
+    import jax
+
+    from xmoe_jax.model.functional import model_spec
+    from xmoe_jax.plan import state_bytes_per_param
+    from xmoe_jax.sharding import make_mesh
+    from xmoe_jax.train.optimizer import make_optimizer
+    from xmoe_jax.train.state import abstract_state, state_shardings
+
+    cfg = load_config(TINY, overrides)
+    mesh = make_mesh(cfg.mesh)
+    spec = model_spec(cfg.model, cfg.parallel)
+    opt = make_optimizer(cfg.optimizer, cfg.train.steps)
+    state = abstract_state(spec, opt, state_shardings(spec, opt, mesh, cfg.mesh.fsdp))
+    got = state_bytes_per_param(cfg, state)
+    assert got == pytest.approx(want, rel=1e-3)  # moments include AdamW's step counters
+    moments = jax.tree.leaves((state.opt[1][0].mu, state.opt[1][0].nu))
+    assert {str(m.dtype) for m in moments} == {cfg.optimizer.state_dtype}
+    if cfg.mesh.fsdp:  # the moments follow their params' sharding (FSDP over every data rank)
+        assert all(
+            m.sharding == p.sharding
+            for m, p in zip(moments[: len(moments) // 2], jax.tree.leaves(state.params), strict=True)
+        )

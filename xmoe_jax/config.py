@@ -28,6 +28,7 @@ DropPolicy = Literal["probs", "position"]
 AuxLossType = Literal["micro_batch", "sequence", "none"]
 DType = Literal["bfloat16", "float32", "float16"]
 ParamDType = Literal["float32", "bfloat16"]
+StateDType = Literal["float32", "bfloat16"]
 DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal[
@@ -84,6 +85,46 @@ def _check_choices(obj: Any, prefix: str) -> None:
         if typing.get_origin(base) is Literal and value is not None:
             choices = typing.get_args(base)
             _check(value in choices, f"{prefix}{name}={value!r} is not one of {list(choices)}")
+
+
+# Numeric fields: every float must be finite, and every number at least its lower bound, which is
+# 1 for ints and 0 for floats unless listed here as (bound, strict). Runs after each component's own
+# checks (whose messages are more specific) and catches the rest: head_dim=0, rope_theta=-1, a NaN
+# init_std, capacity_factor=.inf, lr=inf.
+_LOWER_BOUNDS: dict[str, tuple[float, bool]] = {
+    "MoEConfig.num_shared_experts": (0, False),
+    "ModelConfig.num_dense_layers": (0, False),
+    "ModelConfig.mtp_depth": (0, False),
+    "ModelConfig.loss_chunk": (0, False),
+    "MeshConfig.data": (-1, False),
+    "OptimizerConfig.warmup_steps": (0, False),
+    "TrainConfig.seed": (0, False),
+    "DataConfig.seed": (0, False),
+    "EvalConfig.every": (0, False),
+    "ModelConfig.rope_theta": (0, True),
+    "ModelConfig.norm_eps": (0, True),
+    "ModelConfig.init_std": (0, True),
+    "MoEConfig.routed_scaling_factor": (0, True),
+    "OptimizerConfig.lr": (0, True),
+    "OptimizerConfig.eps": (0, True),
+    "TrainConfig.peak_tflops": (0, True),
+}
+
+
+def _check_numbers(obj: Any, prefix: str) -> None:
+    """Every int / float field of a config dataclass is finite and within its `_LOWER_BOUNDS`."""
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        base, _ = _resolve_type(tp)
+        value = getattr(obj, name)
+        if base not in (int, float) or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        _check(math.isfinite(value), f"{prefix}{name}={value!r} must be a finite number")
+        default = (1, False) if base is int else (0, False)
+        bound, strict = _LOWER_BOUNDS.get(f"{type(obj).__name__}.{name}", default)
+        _check(
+            value > bound if strict else value >= bound,
+            f"{prefix}{name}={value!r} must be {'>' if strict else '>='} {bound}",
+        )
 
 
 @dataclass(frozen=True)
@@ -147,6 +188,7 @@ class MoEConfig:
                 f"{p}capacity_factor={self.capacity_factor} must be > 0 (or null for dropless)",
             )
         _check(self.bias_update_rate >= 0, f"{p}bias_update_rate must be >= 0")
+        _check_numbers(self, "model.moe.")
 
     @property
     def shared_hidden(self) -> int:
@@ -237,6 +279,7 @@ class ParallelConfig:
             f"{p}auto_shard applies to dispatch='pft' ({self.dispatch!r} is always placed by XLA's "
             f"partitioner); set {p}auto_shard=false",
         )
+        _check_numbers(self, p)
 
 
 @dataclass(frozen=True)
@@ -270,6 +313,7 @@ class MLAConfig:
             f"{p}q_lora_rank={self.q_lora_rank} must be >= 1 (or null for a full query projection)",
         )
         _check(self.qk_rope_head_dim % 2 == 0, f"{p}qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        _check_numbers(self, p)
 
     @property
     def qk_head_dim(self) -> int:
@@ -301,6 +345,7 @@ class RopeScalingConfig:
             f"{p}original_max_position_embeddings must be >= 1",
         )
         _check(self.beta_fast > self.beta_slow > 0, f"{p}beta_fast must be > beta_slow > 0")
+        _check_numbers(self, p)
 
 
 @dataclass(frozen=True)
@@ -395,6 +440,7 @@ class ModelConfig:
         )
         _check(self.loss_chunk >= 0, f"{p}loss_chunk={self.loss_chunk} must be >= 0 (0 = no chunking)")
         _check(self.scan_unroll >= 1, f"{p}scan_unroll={self.scan_unroll} must be >= 1")
+        _check_numbers(self, p)
 
     @property
     def kv_heads(self) -> int:
@@ -464,6 +510,7 @@ class MeshConfig:
             f"mesh.expert_nodes={self.expert_nodes} must divide mesh.expert={self.expert} "
             "(devices per node = expert / expert_nodes)",
         )
+        _check_numbers(self, "mesh.")
 
     def resolve(self, num_devices: int) -> MeshShape:
         """Axis sizes for `num_devices`; errors if they cannot multiply to it."""
@@ -487,7 +534,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr` (train/optimizer.py: the
+    update, which parameters are decayed). `state_dtype` stores the two moments in float32 or
+    bfloat16 (half their bytes; each step still computes in float32)."""
 
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -498,8 +547,10 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
+    state_dtype: StateDType = "float32"
 
     def __post_init__(self) -> None:
+        _check_choices(self, "optimizer.")
         _check(self.lr > 0, f"optimizer.lr={self.lr} must be > 0")
         _check(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio must be in [0, 1]")
         _check(self.warmup_steps >= 0, "optimizer.warmup_steps must be >= 0")
@@ -507,6 +558,7 @@ class OptimizerConfig:
         _check(self.weight_decay >= 0, "optimizer.weight_decay must be >= 0")
         if self.grad_clip is not None:
             _check(self.grad_clip > 0, "optimizer.grad_clip must be > 0 (or null for no clipping)")
+        _check_numbers(self, "optimizer.")
 
 
 @dataclass(frozen=True)
@@ -540,6 +592,7 @@ class SourceConfig:
         )
         _check(self.weight > 0, f"{prefix}weight={self.weight} must be > 0")
         _check(bool(self.text_field), f"{prefix}text_field must name the text column, e.g. 'text'")
+        _check_numbers(self, prefix)
 
 
 @dataclass(frozen=True)
@@ -570,6 +623,7 @@ class DataConfig:
             src.check(f"data.mixture[{i}].")
         if not self.mixture:
             self.sources[0].check("data.")
+        _check_numbers(self, "data.")
 
     @property
     def sources(self) -> tuple[SourceConfig, ...]:
@@ -611,6 +665,7 @@ class EvalConfig:
             self.every == 0 or self.holdout > 0 or self.data is not None,
             f"eval.every={self.every} needs eval data: set eval.holdout (e.g. 0.01) or eval.data.path",
         )
+        _check_numbers(self, "eval.")
 
     @property
     def has_data(self) -> bool:
@@ -629,6 +684,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every >= 1, f"checkpoint.every={self.every} must be >= 1")
         _check(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1")
+        _check_numbers(self, "checkpoint.")
 
 
 @dataclass(frozen=True)
@@ -667,6 +723,7 @@ class TrainConfig:
             )
         stop_signal_names(self.stop_signals)
         _check_choices(self, "train.")
+        _check_numbers(self, "train.")
 
 
 @dataclass(frozen=True)

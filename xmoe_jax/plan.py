@@ -9,8 +9,9 @@ Steps:
      time for that mesh: N fake CPU devices (XLA:CPU), or the real GPUs of this host with
      `--real-devices`; nothing runs;
   3. per device: parameters, router biases and optimizer state from their shardings
-     (exact), gradients (float32, the size of the parameters; they live among the
-     step's temporaries), and temporaries from `compiled.memory_analysis()`;
+     (exact), gradients (the size of the parameters; they live among the step's
+     temporaries), temporaries from `compiled.memory_analysis()`, and the state in bytes
+     per parameter (`state_bytes_per_param`);
   4. the peak, arguments + temporaries + outputs - donated (aliased) bytes, against the
      device memory; if it does not fit, which settings to change.
 
@@ -73,6 +74,7 @@ class Plan:
     device_memory: int | None
     advice: list[str]
     notes: list[str] = dataclasses.field(default_factory=list)
+    bytes_per_param: dict[str, float] = dataclasses.field(default_factory=dict)  # `state_bytes_per_param`
 
     @property
     def state(self) -> int:
@@ -117,6 +119,21 @@ class Plan:
             "peak": self.peak,
             "fits": self.fits,
         }
+
+
+def state_bytes_per_param(cfg: Config, state) -> dict[str, float]:
+    """The train state in bytes per parameter (per device: sharding cancels out): `params` (their
+    dtype), `moments` (AdamW's two, in optimizer.state_dtype, with its step counter), `gradients`
+    (the params' dtype) and `accumulators` (float32 sums of micro-batch gradients with
+    train.micro_batch_size < batch_size, train/step.py; 0 without)."""
+    count = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
+    micro = cfg.train.micro_batch_size
+    return {
+        "params": _per_device(state.params) / count,
+        "moments": _per_device(state.opt) / count,
+        "gradients": _per_device(state.params) / count,
+        "accumulators": 4.0 if micro is not None and micro < cfg.train.batch_size else 0.0,
+    }
 
 
 def advise(cfg: Config, plan: Plan) -> list[str]:
@@ -205,7 +222,7 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
         params=params,
         bias=_per_device(state.bias),
         optimizer=_per_device(state.opt),
-        gradients=sum(math.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(state.params)),
+        gradients=params,  # in the params' dtype
         temporaries=int(mem.temp_size_in_bytes),
         arguments=int(mem.argument_size_in_bytes),
         outputs=int(mem.output_size_in_bytes),
@@ -214,6 +231,7 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
         device_memory=device_memory,
         advice=[],
         notes=notes,
+        bytes_per_param=state_bytes_per_param(cfg, state),
     )
     result.advice = advise(cfg, result)
     return result

@@ -38,6 +38,7 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -321,6 +322,38 @@ class Checkpointer:
             )
 
     @staticmethod
+    def _saved_float_dtypes(state_meta: Any, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+        """(abstract_state with each floating leaf in the dtype it was saved in, {path: target dtype} of
+        the leaves that differ). Such leaves (optimizer.state_dtype changed on resume) are read as
+        written, so that the manifest checks them, and cast afterwards (`_cast_to_targets`)."""
+        if state_meta is None:
+            return abstract_state, {}
+        leaves = jax.tree_util.tree_flatten_with_path(
+            getattr(state_meta, "tree", state_meta), is_leaf=_is_meta_leaf
+        )
+        saved = {_path_str(p): np.dtype(x.dtype) for p, x in leaves[0] if _is_meta_leaf(x)}
+        casts: dict[str, Any] = {}
+
+        def as_saved(path: tuple, x: Any) -> Any:
+            was = saved.get(_path_str(path))
+            if not isinstance(x, jax.ShapeDtypeStruct) or was is None or was == x.dtype:
+                return x
+            if not (jnp.issubdtype(was, jnp.floating) and jnp.issubdtype(x.dtype, jnp.floating)):
+                return x  # not a float precision change: orbax's own checks apply
+            casts[_path_str(path)] = x.dtype
+            return jax.ShapeDtypeStruct(x.shape, was, sharding=x.sharding)
+
+        return jax.tree_util.tree_map_with_path(as_saved, abstract_state), casts
+
+    @staticmethod
+    def _cast_to_targets(state: Any, casts: dict[str, Any]) -> Any:
+        def cast(path: tuple, x: Any) -> Any:
+            dtype = casts.get(_path_str(path))
+            return x if dtype is None else x.astype(dtype)
+
+        return jax.tree_util.tree_map_with_path(cast, state)
+
+    @staticmethod
     def _restore_targets(abstract_state: Any) -> Any:
         def target(path: tuple, x: Any) -> Any:
             if isinstance(x, jax.ShapeDtypeStruct):
@@ -350,7 +383,8 @@ class Checkpointer:
         if "state" not in saved:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has no 'state' item")
         self._check_state_layout(step, saved["state"], abstract_state)
-        items: dict[str, Any] = {"state": ocp.args.StandardRestore(self._restore_targets(abstract_state))}
+        as_saved, casts = self._saved_float_dtypes(saved["state"], abstract_state)
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(self._restore_targets(as_saved))}
         restart_data = False
         if data_iter is not None:
             if "data" not in saved:
@@ -386,6 +420,16 @@ class Checkpointer:
                 step,
                 jax.process_count(),
             )
+        if casts:
+            log.info(
+                "checkpoint step %d: %d leaves saved in another float dtype (e.g. '%s') cast to %s on restore "
+                "(optimizer.state_dtype changed)",
+                step,
+                len(casts),
+                next(iter(casts)),
+                sorted({str(d) for d in casts.values()}),
+            )
+            return self._cast_to_targets(restored["state"], casts)
         return restored["state"]
 
     def _verify(self, step: int, restored: Any, data_iter: Any) -> None:

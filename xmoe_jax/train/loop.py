@@ -53,7 +53,7 @@ log = logging.getLogger("xmoe_jax")
 class TrainResult:
     losses: dict[int, float]  # step -> loss, for every step run in this call
     final_step: int
-    skipped: list[int]  # steps not applied (non-finite loss or gradient, nan_policy=skip)
+    skipped: list[int]  # steps not applied (non-finite loss, gradient or update, nan_policy=skip)
     records: list[dict]  # what was logged
     evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
     first_step_s: float | None = None  # wall time of the first step, compilation included
@@ -184,7 +184,7 @@ def _run(
         losses[step] = loss
         if not bool(metrics["finite"]):
             msg = (
-                f"non-finite loss ({loss}) or gradient at step {step}; this step was not applied. "
+                f"non-finite loss ({loss}), gradient or update at step {step}; this step was not applied. "
                 "Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nan_policy=skip"
             )
             if cfg.train.nan_policy == "stop":

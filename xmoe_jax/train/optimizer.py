@@ -1,11 +1,38 @@
-"""AdamW with linear warmup + cosine decay and global-norm clipping (optax)."""
+"""AdamW with linear warmup + cosine decay and global-norm clipping (optax).
+
+The update of step t (count from 1), as optax.adamw computes it:
+  1. g = clip_by_global_norm(grads, optimizer.grad_clip);
+  2. mu = b1 mu + (1-b1) g,  nu = b2 nu + (1-b2) g^2;
+     u = (mu / (1-b1^t)) / (sqrt(nu / (1-b2^t)) + eps)   (eps outside the root);
+  3. u += weight_decay * p where `decay_mask` says so (decoupled: not through the moments);
+  4. p -= lr(t-1) * u, lr warming up linearly from 0 then cosine to min_lr_ratio * lr.
+
+Weight decay is decided by what a parameter is (the name of its leaf), never by its rank: the
+layer stacks give every per-layer vector a leading layer axis, so a rank rule decays norms.
+  - not decayed: RMSNorm scales (every `.../scale` leaf: attn_norm, mlp_norm, final_norm, the
+    q/k norms, MLA's latent norms, the MTP norms) and biases (`bq`, `bk`, `bv`), as Megatron-LM,
+    HF Trainer and nanoGPT exclude norms and biases;
+  - decayed: every weight matrix, the token embedding and the LM head included (as Megatron-LM,
+    HF Trainer and nanoGPT do), the router kernel (Megatron-LM) and MTP's eh_proj;
+  - the router's selection bias (aux-loss-free balancing) is no trained parameter: the optimizer
+    never sees it.
+
+`optimizer.state_dtype=bfloat16` stores both moments in bfloat16 (DeepSeek-V3 does): 4 bytes per
+parameter instead of 8. Each step reads them into float32, updates, and rounds back. With b2 near
+1 (1-b2 below bfloat16's resolution, ~2^-8) the second moment cannot shrink by rounding and
+stays high (smaller updates); the default b2=0.95 is clear of that.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from xmoe_jax.config import OptimizerConfig
+
+# leaf names that are not decayed, and why
+NO_DECAY = {"scale": "norm scale", "bq": "bias", "bk": "bias", "bv": "bias", "bias": "bias"}
 
 
 def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -19,19 +46,59 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def _decay_mask(params):
-    """Weight decay on matrices only, not on norm scales."""
-    return jax.tree.map(lambda p: p.ndim > 1, params)
+def decay_mask(params):
+    """True for the leaves weight decay applies to (module docstring): all but norm scales and biases."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) not in NO_DECAY, params)
+
+
+def _leaf_name(path: tuple) -> str:
+    key = path[-1]
+    return str(getattr(key, "key", getattr(key, "name", key)))
+
+
+def scale_by_adam_stored_as(dtype, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """optax.scale_by_adam with both moments stored in `dtype` and every step computed in float32.
+    The state is optax's `ScaleByAdamState`, so checkpoints keep one layout for every dtype."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, dtype)  # noqa: E731
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32), mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params)
+        )
+
+    def update(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        bc1 = 1 - b1 ** count.astype(jnp.float32)
+        bc2 = 1 - b2 ** count.astype(jnp.float32)
+
+        def one(g, m, v):
+            g32 = g.astype(jnp.float32)
+            m32 = b1 * m.astype(jnp.float32) + (1 - b1) * g32
+            v32 = b2 * v.astype(jnp.float32) + (1 - b2) * g32 * g32
+            u = (m32 / bc1) / (jnp.sqrt(v32 / bc2) + eps)
+            return u.astype(g.dtype), m32.astype(dtype), v32.astype(dtype)
+
+        out = jax.tree.map(one, updates, state.mu, state.nu)
+        treedef = jax.tree.structure(updates)
+        u, mu, nu = (
+            jax.tree.unflatten(treedef, [t[i] for t in treedef.flatten_up_to(out)]) for i in range(3)
+        )
+        return u, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    adamw = optax.adamw(
-        lr_schedule(cfg, total_steps),
-        b1=cfg.b1,
-        b2=cfg.b2,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        mask=_decay_mask,
+    if cfg.state_dtype == "float32":
+        adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    else:
+        adam = scale_by_adam_stored_as(jnp.dtype(cfg.state_dtype), cfg.b1, cfg.b2, cfg.eps)
+    # = optax.adamw(..., mask=decay_mask) for float32 state
+    adamw = optax.chain(
+        adam,
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(lr_schedule(cfg, total_steps)),
     )
     if cfg.grad_clip is None:
         return adamw

@@ -14,8 +14,10 @@ Megatron and X-MoE do); the router-bias update uses the whole step's loads.
 
 After the optimizer update, the aux-loss-free rule moves each MoE layer's router bias
 by `bias_update_rate * sign(mean_load - load_e)`, matched to the layer by module path.
-A step whose loss or gradient norm is not finite leaves params, bias and optimizer
-state untouched (`finite` = False). The step runs on the mesh it was made for.
+A step whose loss, gradient norm or update is not finite leaves params, bias and
+optimizer state untouched (`finite` = False): a finite loss with a non-finite update (a NaN
+learning rate, an overflowing moment) never reaches the params or a checkpoint. The step runs
+on the mesh it was made for.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def stack_layers(stats: dict[str, MoEStats]) -> MoEStats | None:
     if not stats:
         return None
     return jax.tree.map(lambda *a: jnp.concatenate(a), *(stats[k] for k in sorted(stats)))
+
+
+def _all_finite(tree) -> jax.Array:
+    """Every element of every leaf is finite (no norm: a large finite update must not overflow it)."""
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
 def _combine_micro(stats_N: MoEStats) -> MoEStats:
@@ -144,7 +151,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
         updates, opt = optimizer.update(grads, state.opt, state.params)
         params = optax.apply_updates(state.params, updates)
         bias = update_router_biases(state.bias, stats, bias_rate)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updates)
         # dropless: a step whose copies did not all fit the buffers is not a step at all (the
         # trainer reruns it with bigger buffers): nothing moves, not even the step count or RNG
         fits = stacked.num_overflow.sum() == 0 if dropless_exchange else jnp.ones((), bool)
