@@ -104,6 +104,11 @@ class Plan:
             f"(nodes {m.expert_nodes}) tensor={m.tensor}; compiled in {self.compile_s:.0f} s",
             *(f"  {name:<52} {value / GiB:9.2f} GiB" for name, value in rows),
         ]
+        if self.bytes_per_param:
+            parts = " + ".join(f"{k} {v:.1f}" for k, v in self.bytes_per_param.items())
+            lines.append(
+                f"  {'state, bytes per parameter':<52} {parts} = {sum(self.bytes_per_param.values()):.1f}"
+            )
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'device memory':<52} {self.device_memory / GiB:9.2f} GiB: {verdict}")

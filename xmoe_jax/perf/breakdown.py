@@ -1,9 +1,5 @@
-"""Where a train step's bytes go: state in bytes per parameter, activations in bytes per token per
-layer by category, for `xmoe-plan --breakdown`.
-
-State (from the plan's shardings, per device): parameters, optimizer moments, gradients (the
-parameters' dtype) and, with micro-batches, the float32 gradient accumulators; divided by the
-parameters a device holds.
+"""Where a train step's activation bytes go, per token per layer by category, for
+`xmoe-plan --breakdown` (the state's bytes per parameter: `plan.state_bytes_per_param`).
 
 Activations: what the backward pass keeps, read off the traced program with JAX's
 `saved_residuals` under the config's remat policy, with the layers unrolled so that every
@@ -20,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +24,30 @@ import numpy as np
 
 from xmoe_jax.config import Config
 
-# category <- the first matching source file fragment of a residual (order matters)
+# category <- a residual's remat tag (xmoe_jax/remat.py), else its source file (first match wins)
+_NAMES = {
+    "attn_qkv": "attention",
+    "attn_core": "attention",
+    "attn_out": "attention",
+    "mlp_hidden": "dense MLP",
+    "mlp_out": "dense MLP",
+    "moe_dispatched": "permuted rows / exchange",
+    "exchange_in": "permuted rows / exchange",
+    "exchange_out": "combine",
+    "expert_hidden": "expert hidden",
+    "expert_out": "combine",
+    "moe_out": "combine",
+}
 _SOURCES = (
     ("loss.py", "loss / logits"),
     ("transformer.py", "loss / logits"),  # the head's cast, the final norm's input
     ("moe/router.py", "router"),
     ("moe/body.py", "router"),
     ("moe/capacity.py", "router"),
+    ("dense_mlp", "dense MLP"),  # experts.py's plain MLP (dense layers, shared experts)
     ("moe/experts.py", "expert hidden"),
+    ("moe/dense.py", "permuted rows / exchange"),
+    ("moe/padded.py", "permuted rows / exchange"),
     ("moe/pft.py", "permuted rows / exchange"),
     ("moe/rbd.py", "permuted rows / exchange"),
     ("moe/layouts.py", "permuted rows / exchange"),
@@ -46,10 +59,13 @@ _SOURCES = (
     ("attention.py", "attention"),
     ("mla.py", "attention"),
     ("rope.py", "attention"),
+    ("MLP.__call__", "dense MLP"),
     ("layers.py", "attention"),
+    ("kernels/shapes.py", "attention"),  # the flash-attention stand-in's output and statistics
 )
 PER_LAYER = (
     "attention",
+    "dense MLP",
     "router",
     "permuted rows / exchange",
     "expert hidden",
@@ -58,13 +74,14 @@ PER_LAYER = (
 )
 
 
-def _category(src: str, shape: tuple, rows_RD: int, model_dim: int) -> str:
+def _category(src: str) -> str:
     if "from the argument" in src:
         return "inputs"
+    named = re.search(r"named '(\w+)'", src)
+    if named and named.group(1) in _NAMES:
+        return _NAMES[named.group(1)]
     for fragment, name in _SOURCES:
         if fragment in src:
-            if name == "expert hidden" and shape and shape[-1] == model_dim and math.prod(shape) >= rows_RD:
-                return "combine"  # the experts' [R, D] outputs, kept for the combine's weight gradient
             return name
     return "other"
 
@@ -115,13 +132,12 @@ def activation_breakdown(cfg: Config) -> Breakdown:
     model = cfg.model
     batch = cfg.train.micro_batch_size or cfg.train.batch_size
     tokens = batch * cfg.train.seq_len
-    top_k = model.moe.top_k if model.moe is not None else 1
     unrolled = dataclasses.replace(cfg, model=dataclasses.replace(model, unroll_layers=True))
     per = collections.Counter()
     total_unrolled = 0
     for aval, src in _residuals(unrolled):
         nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-        cat = _category(src, tuple(aval.shape), tokens * top_k, model.hidden)
+        cat = _category(src)
         if cat == "inputs":
             continue
         per[cat] += nbytes
@@ -132,17 +148,3 @@ def activation_breakdown(cfg: Config) -> Breakdown:
         if "from the argument" not in src
     )
     return Breakdown(tokens, model.num_layers, dict(per), max(total_scan - total_unrolled, 0))
-
-
-def state_bytes_per_param(cfg: Config, params: int, optimizer: int, gradients: int) -> dict[str, float]:
-    """Bytes per parameter of what a device holds for its parameters (all figures per device)."""
-    itemsize = np.dtype(cfg.model.param_dtype).itemsize
-    count = params / itemsize
-    accum = 4.0 if cfg.train.micro_batch_size else 0.0
-    return {
-        "parameters": params / count,
-        "optimizer moments": optimizer / count,
-        "gradients": gradients / count,
-        "micro-batch accumulators": accum,
-        "total": (params + optimizer + gradients) / count + accum,
-    }
