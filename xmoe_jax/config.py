@@ -391,7 +391,7 @@ class ModelConfig:
     # the number of layers = straight-line code inside one iteration (fastest on GPU: benchmarks/scale.md)
     scan_unroll: int = 1
     # cross-entropy in chunks of this many sequence positions (never [B,S,V] float32 logits); 0 = whole
-    loss_chunk: int = 512
+    loss_chunk: int = 128
     moe: MoEConfig | None = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

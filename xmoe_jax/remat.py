@@ -7,7 +7,7 @@ rest in the backward pass. The block input is always kept (it is the scan carry)
 | model.remat                 | keeps                                                   | recomputes                                   |
 |-----------------------------|---------------------------------------------------------|----------------------------------------------|
 | none                        | everything autodiff keeps                               | nothing                                      |
-| full                        | the block input only                                    | the whole block, exchange included           |
+| full                        | the block input only (and, as every policy, the router's top-k choice) | the whole block, exchange included           |
 | save_dots                   | every matmul output (q/k/v/o projections, MLA's latents and their expansion, attention core, dense MLP and expert GEMMs) and what the exchanges delivered | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
 | save_attention_and_experts  | the attention core output, the expert GEMM outputs and what the exchanges delivered | norms, projections, activations, routing, permutes |
 | save_sublayer_outputs       | the attention and MLP/MoE branch outputs                | everything inside them (the MoE exchange runs again) |
@@ -34,10 +34,14 @@ MOE_DISPATCHED, EXPERT_HIDDEN, EXPERT_OUT, MOE_OUT = (
 # what an exchange (all-to-all) delivers: the dispatched rows on the expert side, the expert
 # outputs back on the token side (pft; rbd's stages and its combine), and what rides with them
 EXCHANGE_IN, EXCHANGE_OUT = "exchange_in", "exchange_out"
+# the router's top-k choice (int32 [T, K]): every policy keeps it, so the backward pass never
+# re-decides a near-tie differently from the forward (a recomputed router in bf16 can: measured
+# on an H100, a policy that recomputed the routing but kept the expert hidden drifted from `none`)
+ROUTING = "routing"
 
 _save = jax.checkpoint_policies.save_only_these_names
 POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": _save(ROUTING),
     "save_dots": _save(
         ATTN_QKV,
         ATTN_CORE,
@@ -49,14 +53,15 @@ POLICIES = {
         EXCHANGE_OUT,
         EXPERT_HIDDEN,
         EXPERT_OUT,
-    ),  # fmt: skip
-    "save_attention_and_experts": _save(
-        ATTN_CORE, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, EXPERT_OUT
+        ROUTING,
     ),
-    "save_sublayer_outputs": _save(ATTN_OUT, MLP_OUT, MOE_OUT),
-    "save_exchange": _save(EXCHANGE_IN, EXCHANGE_OUT),
+    "save_attention_and_experts": _save(
+        ATTN_CORE, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, EXPERT_OUT, ROUTING
+    ),
+    "save_sublayer_outputs": _save(ATTN_OUT, MLP_OUT, MOE_OUT, ROUTING),
+    "save_exchange": _save(EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
     "offload_experts": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(EXCHANGE_IN, EXCHANGE_OUT),
+        names_which_can_be_saved=(EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
         names_which_can_be_offloaded=(EXPERT_HIDDEN, EXPERT_OUT),
         offload_src="device",
         offload_dst="pinned_host",

@@ -31,6 +31,7 @@ from xmoe_jax.moe.capacity import keep_mask
 from xmoe_jax.moe.dispatchers import DISPATCHERS
 from xmoe_jax.moe.stages import run
 from xmoe_jax.moe.stats import PER_DEVICE, ExchangeStats, MoEStats
+from xmoe_jax.remat import ROUTING, tag
 
 
 class Kept(NamedTuple):
@@ -47,6 +48,7 @@ def route_and_keep(x_TD: jax.Array, router_params: dict, cfg: MoEConfig) -> tupl
     """Routing, then capacity (steps 1 and 2)."""
     bias_E = router_params.get("bias") if cfg.has_router_bias else None
     routing = router.route(x_TD, router_params["kernel"], bias_E, cfg)
+    routing = routing._replace(topk_idx_TK=tag(routing.topk_idx_TK, ROUTING))  # remat keeps the choice
     capacity = cfg.capacity(x_TD.shape[0]) if cfg.capacity_factor is not None else None
     keep_TK, pos_TK = keep_mask(
         routing.topk_idx_TK, routing.topk_weight_TK, cfg.num_experts, capacity, cfg.drop_policy
