@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.kernels import gmm, permute, tgmm
+from xmoe_jax.kernels import combine, gmm, permute, tgmm
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
 
@@ -108,6 +108,68 @@ def _act_down_bwd(activation, res, d_RD):
 _act_down.defvjp(_act_down_fwd, _act_down_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _act_down_combine(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation: str):
+    """combine(gmm(act(hidden), w), dest_TK, weights_TK): the experts' outputs weighted back into their
+    tokens, [T, D] in float32, when the rows never leave the device (no exchange in between).
+
+    The backward pass keeps no [R, D] output: the combine weight's gradient <dy_t, out_r> equals
+    <dy_t W^T, act_r>, and dy_t W^T (a grouped GEMM of the unweighted rows) is the activation's
+    gradient before the weight; so it keeps what `_act_down` keeps and the [T, K] dest and weights."""
+    act_RF = _act(*hidden, activation)
+    out_RD = gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E)
+    return combine(out_RD, dest_TK, weights_TK)
+
+
+def _act_down_combine_fwd(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation):
+    y_TD = _act_down_combine(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation)
+    return y_TD, (hidden, w_EFD, group_sizes_E, dest_TK, weights_TK)
+
+
+def _act_down_combine_bwd(activation, res, dy_TD):
+    hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    num_rows, dt = act_RF.shape[0], act_RF.dtype
+    dy_RD = permute(dy_TD.astype(dt), dest_TK, num_rows)  # row r holds dy of its token, unweighted
+    u_RF = gmm(dy_RD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True)  # dy_t W^T per row
+    rows_A = dest_TK.reshape(-1)
+    g_R = jnp.zeros((num_rows,), jnp.float32).at[rows_A].set(weights_TK.reshape(-1), mode="drop")
+    s_R = jnp.sum(u_RF.astype(jnp.float32) * act_RF.astype(jnp.float32), axis=-1)
+    dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
+    d_act_RF = (u_RF.astype(jnp.float32) * g_R[:, None]).astype(dt)
+    dw_EFD = tgmm((act_RF.astype(jnp.float32) * g_R[:, None]).astype(dt), dy_RD, group_sizes_E)
+    return act_vjp(d_act_RF), dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
+
+
+_act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)
+
+
+def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> tuple:
+    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
+    hidden = _permute_up(x_TD, dest_TK, int(num_rows), tuple(experts[n] for n in names), gs_E)
+    hidden = tuple(tag(h, EXPERT_HIDDEN) for h in hidden)
+    return hidden if activation == "swiglu" else (None, *hidden)
+
+
+def combined_experts(
+    x_TD: jax.Array,
+    dest_TK: jax.Array,
+    num_rows: int,
+    experts: dict,
+    group_sizes_E: jax.Array,
+    activation: str,
+    weights_TK: jax.Array,
+) -> jax.Array:
+    """`combine(grouped_experts(...), dest_TK, weights_TK)` in one piece, for rows that stay on their
+    device: [T, D] float32. Keeps x_TD, the pre-activation hidden and the [T, K] routing for the
+    backward pass (`_act_down_combine`), not the [R, D] rows or outputs."""
+    gs_E = group_sizes_E.astype(jnp.int32)
+    hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
+    return tag(
+        _act_down_combine(hidden, experts["w_down"], gs_E, dest_TK, weights_TK, activation), EXPERT_OUT
+    )
+
+
 def grouped_experts(
     x_TD: jax.Array,
     dest_TK: jax.Array,
@@ -126,9 +188,5 @@ def grouped_experts(
     weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`).
     """
     gs_E = group_sizes_E.astype(jnp.int32)
-    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
-    hidden = _permute_up(x_TD, dest_TK, int(num_rows), tuple(experts[n] for n in names), gs_E)
-    hidden = tuple(tag(h, EXPERT_HIDDEN) for h in hidden)
-    if activation != "swiglu":
-        hidden = (None, *hidden)
+    hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
     return tag(_act_down(hidden, experts["w_down"], gs_E, activation), EXPERT_OUT)

@@ -20,6 +20,8 @@ Steps:
      groups (permute kernel) and the local experts run as grouped GEMMs;
   6. outputs are put back in arrival order, go back by the reverse exchange and are
      combined with the routing weights (combine kernel, float32 accumulation).
+With one peer there is no exchange: steps 5-6 are the experts and the combine in one piece
+(`experts.combined_experts`), whose backward pass keeps no [A, D] buffer.
 
 `pft_stages` yields at each step's end (send_buffer, exchange, experts, return) and
 returns (y_TD, ExchangeStats): the layer runs it whole, the stage benchmark one prefix
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
-from xmoe_jax.moe.experts import grouped_experts
+from xmoe_jax.moe.experts import combined_experts, grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
@@ -152,14 +154,18 @@ def pft_stages(
         # backward pass keeps x_TD, not this K-times larger buffer): this copy is for stage timing
         x_send_AD = tag(permute(x_TD, dest_TK, num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
-        y_send_AD = grouped_experts(x_TD, dest_TK, num_send, experts, counts_E, spec.activation)
-        yield "experts", (y_send_AD,)
-        sent_TK, zero = keep_TK, jnp.zeros((), jnp.float32)
+        # the rows never leave the device: experts and combine in one piece (experts.py), whose
+        # backward pass keeps neither the [A, D] rows nor the experts' outputs
+        weights_TK = jnp.where(keep_TK, gate_TK, 0.0).astype(jnp.float32)
+        y_TD = combined_experts(x_TD, dest_TK, num_send, experts, counts_E, spec.activation, weights_TK)
+        yield "experts", (y_TD,)
+        zero = jnp.zeros((), jnp.float32)
         stats = ExchangeStats(
             num_overflow=jnp.zeros((), jnp.int32), recv_rows=counts_E.sum(), wire_bytes=zero,
             routed_bytes=zero, peak_rows=counts_E.sum(), buffer_rows=jnp.asarray(num_send, jnp.int32),
             peak_ratio=zero,
         )  # fmt: skip
+        return y_TD.astype(x_TD.dtype), stats
     else:
         if spec.chunk_rows is not None:
             lay = layouts.chunked(topk_idx_TK, keep_TK, pos_TK, num_e, spec.chunk_rows, axis_name, num_peers)

@@ -29,9 +29,25 @@ class Routing(NamedTuple):
     logits_TE: jax.Array  # float32 raw router logits
 
 
+@jax.custom_vjp
 def router_logits(x_TD: jax.Array, kernel_DE: jax.Array) -> jax.Array:
-    """Router logits in float32 whatever the compute dtype."""
+    """Router logits in float32 whatever the compute dtype. The backward pass keeps x in its own
+    dtype and upcasts it again (autodiff would keep the float32 copy: twice a bf16 x's bytes)."""
     return jnp.einsum("td,de->te", x_TD.astype(jnp.float32), kernel_DE.astype(jnp.float32))
+
+
+def _logits_fwd(x_TD, kernel_DE):
+    return router_logits(x_TD, kernel_DE), (x_TD, kernel_DE)
+
+
+def _logits_bwd(res, d_TE):
+    x_TD, kernel_DE = res
+    dx_TD = jnp.einsum("te,de->td", d_TE, kernel_DE.astype(jnp.float32))
+    dk_DE = jnp.einsum("td,te->de", x_TD.astype(jnp.float32), d_TE)
+    return dx_TD.astype(x_TD.dtype), dk_DE.astype(kernel_DE.dtype)
+
+
+router_logits.defvjp(_logits_fwd, _logits_bwd)
 
 
 def _group_limited_scores(sel_TE: jax.Array, cfg: MoEConfig) -> jax.Array:

@@ -75,7 +75,9 @@ PER_LAYER = (
 
 
 def _category(src: str) -> str:
-    if "from the argument" in src:
+    # the unrolled trace slices each layer's weights out of the stack; under the scan those
+    # slices are the scan's own inputs, forwarded to the backward pass rather than copied
+    if "from the argument" in src or "_run_stack" in src:
         return "inputs"
     named = re.search(r"named '(\w+)'", src)
     if named and named.group(1) in _NAMES:
