@@ -191,7 +191,9 @@ def test_remat_holds_when_layers_run_straight_line():
     deep = dict(num_layers=6, num_dense_layers=1, unroll_layers=True)
     none = _temp_bytes(_model(**deep), par, mesh_cfg)
     full = _temp_bytes(_model(remat="full", **deep), par, mesh_cfg)
-    assert full < 0.7 * none, (full, none)
+    # measured on this tiny model: none 171.2 MB, full 158.4 MB; full with the recomputation left to
+    # XLA's CSE (the defect) 169.7 MB. On the GPU's Small shapes: 46.9 -> 34.5 GiB.
+    assert full < 0.95 * none, (full, none)
 
 
 # ----------------------------------------------------------------------------- chunked loss
