@@ -40,11 +40,13 @@ def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
 
 
 def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
-    """The shared experts (fused into one MLP), optionally scaled by sigmoid(x @ gate)."""
-    y_TD = dense_mlp(x_TD, shared, activation)
-    if "gate" in shared:
-        g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
-        y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
+    """The shared experts (fused into one MLP), optionally scaled by sigmoid(x @ gate).
+    Named `shared_experts` in profiles and HLO metadata."""
+    with jax.named_scope("shared_experts"):
+        y_TD = dense_mlp(x_TD, shared, activation)
+        if "gate" in shared:
+            g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
+            y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
     return y_TD
 
 
@@ -53,14 +55,16 @@ def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, ac
 
     Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm`
     (the Pallas kernel on GPU, `ragged_dot` on CPU), whose backward passes are grouped
-    GEMMs too.
+    GEMMs too. Named `experts` in profiles and HLO metadata.
     """
     dtype = x_RD.dtype
     gs_E = group_sizes_E.astype(jnp.int32)
-    h_up = tag(gmm(x_RD, experts["w_up"].astype(dtype), gs_E), EXPERT_HIDDEN)
-    h_gate = (
-        tag(gmm(x_RD, experts["w_gate"].astype(dtype), gs_E), EXPERT_HIDDEN)
-        if activation == "swiglu"
-        else None
-    )
-    return tag(gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E), EXPERT_OUT)
+    with jax.named_scope("experts"):
+        h_up = tag(gmm(x_RD, experts["w_up"].astype(dtype), gs_E), EXPERT_HIDDEN)
+        h_gate = (
+            tag(gmm(x_RD, experts["w_gate"].astype(dtype), gs_E), EXPERT_HIDDEN)
+            if activation == "swiglu"
+            else None
+        )
+        y_RD = gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E)
+    return tag(y_RD, EXPERT_OUT)
