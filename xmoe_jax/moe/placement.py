@@ -19,6 +19,11 @@ the expert axes, so with SSMB every (data, tensor) coordinate is its own
 expert-parallel group, and the block's output comes back split over tensor too.
 Statistics are reduced over every token axis, so they are those of the whole batch.
 
+With `parallel.overlap` shared/both, a shard_map mode and `mesh.tensor == 1`, the shared
+experts enter the shard_map too (weights replicated, tokens as the routed block's) and run
+between the dispatch and the combine (`Placement.shared_inside`, overlap.py); otherwise they
+run after the block on the caller's layout (a column/row-split MLP under TP).
+
 `check_vma=False`: Pallas kernel outputs carry no varying-axes type on jax 0.11, so
 shard_map cannot type them; with the check off it psums the cotangents of
 replicated inputs (the router) itself, which is what the backward pass needs.
@@ -119,6 +124,10 @@ def stats_specs(parallel: ParallelConfig, axes: tuple[str, ...]) -> MoEStats:
     return MoEStats(*(spec(name) for name in MoEStats._fields))
 
 
+def _replicated(tree):
+    return jax.tree.map(lambda _: PartitionSpec(), tree)
+
+
 def shard(
     body,
     place: Placement,
@@ -130,10 +139,9 @@ def shard(
 ):
     """`body(router_params, experts, x_TD[, shared])` per device over the block's token axes
     (shared experts, when given, replicated)."""
-    replicated = lambda tree: jax.tree.map(lambda _: PartitionSpec(), tree)  # noqa: E731
-    in_specs = (replicated(router_params), expert_specs(experts, parallel), PartitionSpec(place.token_axes))
+    in_specs = (_replicated(router_params), expert_specs(experts, parallel), PartitionSpec(place.token_axes))
     if shared is not None:
-        in_specs = (*in_specs, replicated(shared))
+        in_specs = (*in_specs, _replicated(shared))
     return jax.shard_map(body, mesh=place.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
