@@ -24,8 +24,8 @@ GPU scheduler presets (`parallel.xla_scheduler`, or XMOE_XLA_SCHEDULER for scrip
   latency_hiding  `--xla_gpu_enable_latency_hiding_scheduler=true` (default false in XLA;
                   "[Stable]" in debug_options_flags.cc): independent compute is moved between the
                   start and the done of each async collective. The older per-collective switches
-                  (`--xla_gpu_enable_async_all_to_all` and kin) are gone from recent XLA, and XLA
-                  aborts on unknown flags, so they are not set.
+                  (`--xla_gpu_enable_async_all_to_all` and kin) are gone from recent XLA, which
+                  aborts on unknown flags (jax 0.10.2 does on that one), so they are not set.
 The CLI reads the config before JAX starts and passes `parallel.xla_scheduler` here.
 
 The transport choice (`transport_for`, called by `moe.exchange.resolve_transport`) reads
