@@ -18,8 +18,11 @@
 # and with the shared experts inside the block (+ scheduler). For each, scripts/kernel_overlap.py
 # writes $OUT/<name>.overlap.txt/json: per GPU, the NCCL kernel time and how much of it ran while a
 # GEMM kernel ran ("CONCURRENT" or "serial"). Traces stay under $OUT/<name>/profile (rm them if big).
-# A run on fewer GPUs than the machine has uses CUDA_VISIBLE_DEVICES=0..n-1. Each step has its own
-# timeout, a log and JSON under $OUT; the ladder table (tokens/s per GPU against 1 GPU) comes last.
+# A run on fewer GPUs than the machine has uses CUDA_VISIBLE_DEVICES=0..n-1. Each run takes about
+# 2 minutes (compile + 30 steps): under a 10-minute limit per command, split with SIZES="1 2" /
+# SIZES="4 8" (ladder) and WAYS="off lhs chunks" / WAYS="on shared_off shared_on" (ways), same $OUT.
+# Each step has its own timeout, a log and JSON under $OUT; the ladder table (tokens/s per GPU against
+# 1 GPU, the goal >= 0.85) comes last.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 CFG=configs/tiny_small_shape.yaml
@@ -40,17 +43,28 @@ traced() {  # name timeout gpus scheduler overrides...: run() keeping a trace of
     > "$OUT/$name.overlap.txt" 2>&1
   echo "== $name"; cat "$OUT/$name.overlap.txt"
 }
-ladder_sizes() {  # 1 2 4 ... up to N
-  local n=1
-  while [ "$n" -le "$1" ]; do echo "$n"; n=$((n * 2)); done
+way() {  # name gpus: one way of `ways`, traced
+  local n=$2 sh="--set model.moe.num_shared_experts=2"
+  case "$1" in
+    off) traced "ways_off_${n}gpu" 300 "$n" default $OFF ;;
+    lhs) traced "ways_lhs_${n}gpu" 300 "$n" latency_hiding --set parallel.xla_scheduler=latency_hiding ;;
+    chunks) traced "ways_chunks_${n}gpu" 300 "$n" default --set parallel.overlap=chunks --set parallel.overlap_chunks=2 ;;
+    on) traced "ways_on_${n}gpu" 300 "$n" latency_hiding $ON ;;
+    shared_off) traced "ways_shared_off_${n}gpu" 300 "$n" default $sh $OFF ;;
+    shared_on) traced "ways_shared_on_${n}gpu" 300 "$n" latency_hiding $sh --set parallel.overlap=shared \
+      --set parallel.xla_scheduler=latency_hiding ;;
+    *) echo "unknown way $1 (off lhs chunks on shared_off shared_on)"; exit 2 ;;
+  esac
 }
 
 N=${2:-}
+[ -n "$N" ] || { echo "usage: $0 ladder|ways N"; exit 2; }
 case "${1:-}" in
   ladder)
-    [ -n "$N" ] || { echo "usage: $0 ladder N"; exit 2; }
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-    for n in $(ladder_sizes "$N"); do
+    sizes=${SIZES:-}
+    if [ -z "$sizes" ]; then n=1; while [ "$n" -le "$N" ]; do sizes="$sizes $n"; n=$((n * 2)); done; fi
+    for n in $sizes; do
       # shellcheck disable=SC2086
       run "ladder_off_${n}gpu" 300 "$n" default $OFF
       # shellcheck disable=SC2086
@@ -59,18 +73,7 @@ case "${1:-}" in
     summary
     python3 scripts/gpu_summary.py "$OUT" --ladder ;;
   ways)
-    [ -n "$N" ] || { echo "usage: $0 ways N"; exit 2; }
-    traced "ways_off_${N}gpu" 300 "$N" default $OFF
-    traced "ways_lhs_${N}gpu" 300 "$N" latency_hiding --set parallel.xla_scheduler=latency_hiding
-    traced "ways_chunks_${N}gpu" 300 "$N" default --set parallel.overlap=chunks --set parallel.overlap_chunks=2
-    # shellcheck disable=SC2086
-    traced "ways_on_${N}gpu" 300 "$N" latency_hiding $ON
-    SH="--set model.moe.num_shared_experts=2"
-    # shellcheck disable=SC2086
-    traced "ways_shared_off_${N}gpu" 300 "$N" default $SH $OFF
-    # shellcheck disable=SC2086
-    traced "ways_shared_on_${N}gpu" 300 "$N" latency_hiding $SH --set parallel.overlap=shared \
-      --set parallel.xla_scheduler=latency_hiding
+    for w in ${WAYS:-off lhs chunks on shared_off shared_on}; do way "$w" "$N"; done
     summary ;;
   *) echo "usage: $0 ladder|ways N"; exit 2 ;;
 esac
