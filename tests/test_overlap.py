@@ -23,7 +23,8 @@ from reference import rel_err
 from xmoe_jax import xla_flags
 from xmoe_jax.cli import train_main
 from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig, ParallelConfig
-from xmoe_jax.moe import init_moe_params, moe_layer
+from xmoe_jax.moe import init_moe_params, moe_layer, overlap
+from xmoe_jax.moe.stages import run
 from xmoe_jax.perf import kernel_overlap
 from xmoe_jax.perf.hlo import scheduled_ops
 from xmoe_jax.sharding import make_mesh
@@ -113,6 +114,58 @@ def test_train_step_with_overlap_equals_the_sequential_step(tmp_path, dispatch):
 
 
 # ----------------------------------------------------------------------------- order
+
+
+def _toy(i, names=("send_buffer", "exchange", "experts", "return")):
+    for name in names:
+        yield name, (i,)
+    return f"y{i}"
+
+
+def test_pipelined_order_on_toy_stages():
+    """Lookahead one: dispatch 0, dispatch 1, rest 0, dispatch 2, rest 1, rest 2; results in chunk order.
+    rbd's dispatch ends at `stage2/exchange`; a chunk without an exchange (one peer) runs whole."""
+    seen = []
+
+    def drive(stages):
+        return run(stages, on_stage=seen.append)
+
+    assert drive(overlap.pipelined([_toy(i) for i in range(3)])) == ["y0", "y1", "y2"]
+    assert seen == [
+        "chunk0/send_buffer", "chunk0/exchange", "chunk1/send_buffer", "chunk1/exchange",
+        "chunk0/experts", "chunk0/return", "chunk2/send_buffer", "chunk2/exchange",
+        "chunk1/experts", "chunk1/return", "chunk2/experts", "chunk2/return",
+    ]  # fmt: skip
+    seen.clear()
+    rbd = ("pilots", "stage1", "stage2/send_buffer", "stage2/exchange", "stage2/experts", "return")
+    drive(overlap.pipelined([_toy(i, rbd) for i in range(2)]))
+    assert seen.index("chunk1/stage2/exchange") < seen.index("chunk0/stage2/experts")
+    seen.clear()
+    assert drive(overlap.pipelined([_toy(i, ("experts",)) for i in range(2)])) == ["y0", "y1"]
+    assert seen == ["chunk0/experts", "chunk1/experts"]
+    seen.clear()
+    assert drive(overlap.sequential([_toy(i) for i in range(2)])) == ["y0", "y1"]
+    assert seen == [
+        f"chunk{i}/{n}" for i in range(2) for n in ("send_buffer", "exchange", "experts", "return")
+    ]
+
+
+def test_shared_stage_follows_the_first_dispatch_exchange():
+    def toy(names):
+        yield from ((n, ()) for n in names)
+        return 1.0, "stats"
+
+    seen = []
+    assert run(
+        overlap.with_shared(toy(("pilots", "stage1", "stage2/exchange")), lambda: 2.0), seen.append
+    ) == (3.0, "stats")
+    assert seen == ["pilots", "stage1", "shared", "stage2/exchange"]
+    seen.clear()
+    assert run(overlap.with_shared(toy(("send_buffer", "experts")), lambda: 2.0), seen.append) == (
+        3.0,
+        "stats",
+    )
+    assert seen == ["send_buffer", "experts", "shared"]  # one peer: no exchange, shared at the end
 
 
 def _program_order(dispatch: str, overlap: str) -> list[str]:
