@@ -39,8 +39,8 @@ def _inputs():
     return params, jax.random.normal(jax.random.key(1), (T, D))
 
 
-def _loss_fn(dispatch: str, overlap: str, chunks: int):
-    par = ParallelConfig(dispatch=dispatch, overlap=overlap, overlap_chunks=chunks)
+def _loss_fn(dispatch: str, mode: str, chunks: int):
+    par = ParallelConfig(dispatch=dispatch, overlap=mode, overlap_chunks=chunks)
     mesh = make_mesh(MESHES[dispatch])
 
     def loss(p, x):
@@ -51,9 +51,9 @@ def _loss_fn(dispatch: str, overlap: str, chunks: int):
 
 
 @functools.cache
-def _compiled(dispatch: str, overlap: str, chunks: int):
+def _compiled(dispatch: str, mode: str, chunks: int):
     """The layer's loss and gradients, compiled once per case (values and HLO from one compile)."""
-    return jax.jit(_loss_fn(dispatch, overlap, chunks)).lower(*_inputs()).compile()
+    return jax.jit(_loss_fn(dispatch, mode, chunks)).lower(*_inputs()).compile()
 
 
 def _assert_same(case, baseline):
@@ -168,9 +168,9 @@ def test_shared_stage_follows_the_first_dispatch_exchange():
     assert seen == ["send_buffer", "experts", "shared"]  # one peer: no exchange, shared at the end
 
 
-def _program_order(dispatch: str, overlap: str) -> list[str]:
+def _program_order(dispatch: str, mode: str) -> list[str]:
     """The forward's all-to-alls and expert/shared GEMMs in trace order, as `<chunk>/<what>`."""
-    par = ParallelConfig(dispatch=dispatch, overlap=overlap, overlap_chunks=2)
+    par = ParallelConfig(dispatch=dispatch, overlap=mode, overlap_chunks=2)
     mesh = make_mesh(MESHES[dispatch])
     jaxpr = jax.make_jaxpr(lambda p, x: moe_layer(p, x, CFG, par, mesh=mesh)[0])(*_inputs()).jaxpr
     out = []
