@@ -82,7 +82,8 @@ def test_each_overlap_option_equals_the_sequential_block(dispatch):
 @pytest.mark.slow  # ~1-2 min: two train steps of the tiny model compiled (rbd passed too: 140 s)
 @pytest.mark.parametrize("dispatch", ["pft"])
 def test_train_step_with_overlap_equals_the_sequential_step(tmp_path, dispatch):
-    """configs/tiny.yaml (one shared expert), float32: loss and updated parameters of one step."""
+    """configs/tiny.yaml (one shared expert), float32, FSDP (as DeepSeek-V3's config: the shared
+    weights enter the block's shard_map gathered): loss and updated parameters of one step."""
     import trainer_parts
 
     from xmoe_jax.config import load_config
@@ -96,6 +97,7 @@ def test_train_step_with_overlap_equals_the_sequential_step(tmp_path, dispatch):
                 "train.seq_len=16",
                 "mesh.data=2",
                 "mesh.expert=4",
+                "mesh.fsdp=true",
                 f"mesh.expert_nodes={2 if dispatch == 'rbd' else 1}",
                 f"parallel.dispatch={dispatch}",
                 "parallel.overlap_chunks=2",
