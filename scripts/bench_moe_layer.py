@@ -52,6 +52,7 @@ def shapes(args, dispatch: str, capacity_factor: float | None = None):
             "transport": args.transport,
             "recv_buffer_factor": args.recv_buffer_factor,
             "overlap_chunks": args.overlap_chunks,
+            "overlap": args.overlap,
         }
     cfg, dim = small_shapes(capacity_factor=capacity_factor)
     factor = extra.get("recv_buffer_factor")
@@ -99,6 +100,13 @@ def main() -> None:
         "holds the measured peak (as adaptive training would settle); default: the worst case",
     )
     p.add_argument("--overlap-chunks", type=int, default=1, help="pft/rbd: dispatch the tokens in N chunks")
+    p.add_argument(
+        "--overlap",
+        default="none",
+        choices=["none", "shared", "chunks", "both"],
+        help="pft/rbd: parallel.overlap (chunks, both: with --overlap-chunks >= 2; the XLA scheduler: "
+        "XMOE_XLA_SCHEDULER=latency_hiding)",
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()

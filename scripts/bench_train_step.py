@@ -16,9 +16,9 @@ import json
 import logging
 import tempfile
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax import xla_flags
 
-apply_defaults()  # before JAX starts its backend
+xla_flags.apply_defaults()  # before JAX starts its backend (XMOE_XLA_SCHEDULER picks the scheduler)
 
 import jax  # noqa: E402
 
@@ -36,12 +36,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     p.add_argument(
+        "--run-dir", default=None, help="keep the run directory here (a profile trace: train.profile_steps)"
+    )
+    p.add_argument(
         "--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul ceiling (CPU checks: small)"
     )
     args = p.parse_args()
 
     window = max(args.steps // 3, 1)
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = args.run_dir or tmp
         overrides = [
             *args.overrides,
             f"train.steps={args.steps}",
@@ -60,6 +64,11 @@ def main() -> None:
         "overrides": args.overrides,
         "dispatch": cfg.parallel.dispatch if cfg.model.moe else None,
         "capacity_factor": cfg.model.moe.capacity_factor if cfg.model.moe else None,
+        "overlap": {
+            "overlap": cfg.parallel.overlap,
+            "chunks": cfg.parallel.overlap_chunks,
+            "xla_scheduler": xla_flags.effective_scheduler(),
+        },
         "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
         "steps": args.steps,
         "window_steps": window,

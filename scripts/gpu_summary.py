@@ -2,11 +2,13 @@
 (train steps from bench_train_step.py, plans from xmoe-plan --out).
 
     python3 scripts/gpu_summary.py "$OUT"
+    python3 scripts/gpu_summary.py "$OUT" --ladder   # weak scaling: ladder_<mode>_<n>gpu.json files
 """
 
 import glob
 import json
 import os
+import re
 import sys
 
 GiB = 2**30
@@ -19,6 +21,7 @@ def line(name: str, r: dict) -> str | None:
             f"MFU {100 * (r['mfu_vs_datasheet'] or 0):5.1f}%  first step {r['first_step_s'] or 0:6.1f}s  "
             f"peak {(r['peak_bytes_in_use'] or 0) / GiB:6.1f} GiB  "
             f"loss {r['first_loss']:.3f}->{r['final_loss']:.3f}  {r.get('exchange', {})}"
+            f"{'  ' + str(r['overlap']) if 'overlap' in r else ''}"
         )
     if "peak" in r:
         return (
@@ -26,6 +29,27 @@ def line(name: str, r: dict) -> str | None:
             f"fits {r.get('fits')}  compile {r['compile_s']:6.1f}s"
         )
     return None
+
+
+def ladder(folder: str) -> None:
+    """Weak scaling: tokens/s per GPU of each mode and GPU count, and its ratio to the same mode on 1 GPU
+    (the issue's goal: >= 0.85 at every step)."""
+    rows = {}
+    for path in glob.glob(os.path.join(folder, "ladder_*_*gpu.json")):
+        m = re.match(r"ladder_(.+)_(\d+)gpu\.json$", os.path.basename(path))
+        with open(path) as f:
+            rows[(m.group(1), int(m.group(2)))] = json.load(f)
+    print(
+        f"{'mode':<8} {'GPUs':>4} {'tok/s per GPU':>14} {'vs 1 GPU':>8} {'MFU':>6} {'first step':>10} {'peak GiB':>8}"
+    )
+    for mode, n in sorted(rows):
+        r, one = rows[(mode, n)], rows.get((mode, 1))
+        per_gpu = r["tokens_per_s"] / r["num_devices"]
+        ratio = per_gpu / (one["tokens_per_s"] / one["num_devices"]) if one else float("nan")
+        print(
+            f"{mode:<8} {n:>4} {per_gpu:>14,.0f} {ratio:>8.2f} {100 * (r['mfu_vs_datasheet'] or 0):>5.1f}% "
+            f"{r['first_step_s'] or 0:>9.1f}s {(r['peak_bytes_in_use'] or 0) / GiB:>8.1f}"
+        )
 
 
 def main(folder: str) -> None:
@@ -37,4 +61,7 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if "--ladder" in sys.argv[2:]:
+        ladder(sys.argv[1])
+    else:
+        main(sys.argv[1])

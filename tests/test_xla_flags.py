@@ -87,3 +87,21 @@ def test_flags_applied_before_jax_starts_take_effect():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "decomposer" and "does not take effect" not in out.stderr
+
+
+def test_scheduler_flags_are_known_to_this_xla():
+    """XLA aborts on an unknown flag (`--xla_gpu_enable_async_all_to_all` is one since it was removed):
+    every flag of the scheduler presets must start a backend (GPU flags parse on CPU too)."""
+    flags = " ".join(
+        f"--{k}={v}" for preset in xla_flags.SCHEDULER_PRESETS.values() for k, v in preset.items()
+    )
+    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x + 1)(jnp.ones(()))), flush=True)"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]

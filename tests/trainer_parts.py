@@ -29,7 +29,7 @@ def build(cfg: Config) -> Parts:
     with jax.set_mesh(mesh):
         spec = model_spec(cfg.model, cfg.parallel)
         opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, opt, mesh)
+        shardings = state_shardings(spec, opt, mesh, cfg.mesh.fsdp)
         state = init_state(spec, opt, cfg, mesh, shardings)
     return Parts(mesh, spec, opt, shardings, state, batch_sharding(mesh, cfg))
 

@@ -123,9 +123,13 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
+    except ConfigError as err:
+        return _fail(err)
     from xmoe_jax.xla_flags import apply_defaults
 
-    apply_defaults()  # before anything starts JAX's backend
+    apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
     _quiet_logging()
     from xmoe_jax import peers
     from xmoe_jax.train import preemption
@@ -134,7 +138,6 @@ def train_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     try:
-        cfg = load_config(args.config, args.overrides)
         launch = initialize_from_args(args)  # before any other JAX use
     except ConfigError as err:  # DistributedError included
         return _fail(err)

@@ -22,6 +22,8 @@ import yaml
 
 Dispatch = Literal["dense", "padded", "pft", "rbd"]
 Transport = Literal["auto", "bucketed", "ragged", "emulated"]
+Overlap = Literal["none", "shared", "chunks", "both"]
+XlaScheduler = Literal["default", "latency_hiding"]
 Activation = Literal["swiglu", "gelu"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
@@ -227,6 +229,16 @@ class ParallelConfig:
       ladder up to the worst case; after `buffer_shrink_after` quiet steps it steps back down.
     overlap_chunks: pft/rbd split the block's tokens into this many chunks, each dispatched on
       its own, so one chunk's exchange can run while another's experts compute.
+    overlap: how pft/rbd order the block so its all-to-alls can run under GEMMs (moe/overlap.py,
+      docs/exchange.md#overlap); the values are the same, only the program order changes.
+      `shared`: the shared experts run inside the block between the dispatch and the combine
+      exchanges (when mesh.tensor == 1; under TP they stay a column/row-split MLP after the block);
+      `chunks`: the `overlap_chunks` chunks are software-pipelined (chunk i+1's dispatch is issued
+      before chunk i's expert GEMMs; needs overlap_chunks >= 2); `both`; `none` (chunks, if any, in
+      sequence).
+    xla_scheduler: `latency_hiding` turns on XLA's latency-hiding scheduler on GPU (the flags of
+      xla_flags.SCHEDULER_PRESETS, added by the CLI before JAX starts; flags already in XLA_FLAGS
+      win), so async all-to-alls are overlapped with independent compute; `default`: XLA's own.
     ssmb: with tensor parallelism, each tensor rank routes, dispatches, computes and combines
       1/TP of the block's tokens (sequence-sharded MoE block); off, every tensor rank repeats the
       block on the same tokens. Off by default because it changes pft's capacity shards (drops are
@@ -251,6 +263,8 @@ class ParallelConfig:
     adaptive_buffers: bool = True
     buffer_shrink_after: int = 200
     overlap_chunks: int = 1
+    overlap: Overlap = "none"
+    xla_scheduler: XlaScheduler = "default"
     ssmb: bool = False
     expert_tensor_parallel: bool = False
     auto_shard: bool = False
@@ -269,6 +283,18 @@ class ParallelConfig:
             self.buffer_shrink_after >= 1, f"{p}buffer_shrink_after={self.buffer_shrink_after} must be >= 1"
         )
         _check(self.overlap_chunks >= 1, f"{p}overlap_chunks={self.overlap_chunks} must be >= 1")
+        if self.overlap != "none":
+            _check(
+                self.dispatch in ("pft", "rbd") and not self.auto_shard,
+                f"{p}overlap={self.overlap!r} orders pft/rbd's exchange inside the block's shard_map "
+                f"(dispatch={self.dispatch!r}{', auto_shard' if self.auto_shard else ''}); set "
+                f"{p}dispatch=pft or rbd (auto_shard=false), or {p}overlap=none",
+            )
+        _check(
+            self.overlap not in ("chunks", "both") or self.overlap_chunks >= 2,
+            f"{p}overlap={self.overlap!r} pipelines the block's chunks but {p}overlap_chunks="
+            f"{self.overlap_chunks}; set {p}overlap_chunks=2 (or more), or {p}overlap=shared/none",
+        )
         _check(
             not (self.ssmb and self.expert_tensor_parallel),
             f"{p}ssmb and {p}expert_tensor_parallel are alternatives (SSMB splits the tokens over the "

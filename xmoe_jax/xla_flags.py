@@ -15,6 +15,19 @@ GPU presets for the ragged all-to-all (measured on 2x H200, jax 0.11.2, 49k rows
 The library default is `decomposer`, the fastest measured; set XMOE_RAGGED_A2A (or
 XLA_FLAGS yourself) to choose another.
 
+GPU scheduler presets (`parallel.xla_scheduler`, or XMOE_XLA_SCHEDULER for scripts), opt-in:
+  default         XLA's own scheduler. Collectives are async by default
+                  (`--xla_gpu_disable_async_collectives` is empty), but with nothing scheduled
+                  between an all-to-all's start and done XLA turns it back into a synchronous one,
+                  so it never runs under a GEMM (benchmarks/exchange.md: 2 overlap chunks changed
+                  nothing);
+  latency_hiding  `--xla_gpu_enable_latency_hiding_scheduler=true` (default false in XLA;
+                  "[Stable]" in debug_options_flags.cc): independent compute is moved between the
+                  start and the done of each async collective. The older per-collective switches
+                  (`--xla_gpu_enable_async_all_to_all` and kin) are gone from recent XLA, which
+                  aborts on unknown flags (jax 0.10.2 does on that one), so they are not set.
+The CLI reads the config before JAX starts and passes `parallel.xla_scheduler` here.
+
 The transport choice (`transport_for`, called by `moe.exchange.resolve_transport`) reads
 the flags the running backend started with (`effective_flags`), never what XLA_FLAGS says
 now: if the wanted preset did not take effect, `auto` picks `emulated` (the same dense
@@ -37,6 +50,10 @@ RAGGED_A2A_PRESETS: dict[str, dict[str, str]] = {
     },
 }
 DEFAULT_RAGGED_A2A_PRESET = "decomposer"
+SCHEDULER_PRESETS: dict[str, dict[str, str]] = {
+    "default": {},
+    "latency_hiding": {"xla_gpu_enable_latency_hiding_scheduler": "true"},
+}
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _FIX = (
     "call xmoe_jax.xla_flags.apply_defaults() before anything starts JAX's backend (before "
@@ -79,6 +96,23 @@ def wanted_preset(preset: str | None = None) -> str:
     return preset
 
 
+def wanted_scheduler(scheduler: str | None = None) -> str:
+    """The scheduler preset asked for (argument, else XMOE_XLA_SCHEDULER, else `default`)."""
+    scheduler = scheduler or os.environ.get("XMOE_XLA_SCHEDULER", "default")
+    if scheduler not in SCHEDULER_PRESETS:
+        raise ValueError(
+            f"XMOE_XLA_SCHEDULER / parallel.xla_scheduler={scheduler!r} is not one of {sorted(SCHEDULER_PRESETS)}"
+        )
+    return scheduler
+
+
+def effective_scheduler(flags: str | None = None) -> str:
+    """`latency_hiding` if its flags are set so in `flags` (default: `effective_flags()`), else `default`."""
+    parsed = _parse(effective_flags() if flags is None else flags)
+    wanted = SCHEDULER_PRESETS["latency_hiding"]
+    return "latency_hiding" if all(parsed.get(k) == v for k, v in wanted.items()) else "default"
+
+
 def effective_flags() -> str:
     """XLA_FLAGS as the running backend read them; before it starts, what it will read.
 
@@ -104,14 +138,18 @@ def effective_preset(flags: str | None = None) -> str:
     return "default"
 
 
-def apply_defaults(preset: str | None = None, extra: dict[str, str] | None = None) -> str:
-    """Adds the preset's flags (and `extra`) to XLA_FLAGS unless already set; returns XLA_FLAGS."""
+def apply_defaults(
+    preset: str | None = None, extra: dict[str, str] | None = None, scheduler: str | None = None
+) -> str:
+    """Adds the ragged all-to-all preset's flags, the scheduler preset's (`wanted_scheduler`) and
+    `extra` to XLA_FLAGS, each unless XLA_FLAGS already sets it (the user wins); returns XLA_FLAGS."""
     preset = wanted_preset(preset)
+    scheduler = wanted_scheduler(scheduler)
     started = _backend_started()
     if started:
         effective_flags()  # remember what the backend read before adding anything
     flags = os.environ.get("XLA_FLAGS", "")
-    wanted = {**RAGGED_A2A_PRESETS[preset], **(extra or {})}
+    wanted = {**RAGGED_A2A_PRESETS[preset], **SCHEDULER_PRESETS[scheduler], **(extra or {})}
     added = [f"--{k}={v}" for k, v in wanted.items() if k not in _parse(flags)]
     if added and started:
         _warn_late(added)
@@ -167,3 +205,18 @@ def transport_for(requested: str, backend: str, flags: str | None = None) -> str
         f"To use it: {_FIX.format(flags=' '.join(missing))}",
     )
     return choice
+
+
+def check_scheduler(wanted: str, backend: str, flags: str | None = None) -> bool:
+    """Whether `parallel.xla_scheduler=wanted` took effect on `backend`; on GPU, one warning naming
+    the flag and the fix when it did not (off GPU the scheduler flags do nothing: always true)."""
+    if backend not in GPU_BACKENDS or effective_scheduler(flags) == wanted:
+        return True
+    want = " ".join(f"--{k}={v}" for k, v in SCHEDULER_PRESETS["latency_hiding"].items())
+    _warn_once(
+        f"scheduler:{wanted}",
+        f"parallel.xla_scheduler={wanted} did not take effect (the running backend started with "
+        f"XLA_FLAGS={effective_flags() if flags is None else flags!r}); to change it: "
+        f"{_FIX.format(flags=want)} (or set XMOE_XLA_SCHEDULER={wanted} for the scripts)",
+    )
+    return False

@@ -12,7 +12,9 @@ Steps:
   1. router logits in float32, top-k choice and combine weights (router.py);
   2. capacity: with `capacity_factor`, each expert keeps at most
      C = ceil(cf * T * k / E) copies, chosen by `drop_policy` (capacity.py);
-  3. the dispatch's stages (dispatchers.py): send, exchange, experts, combine;
+  3. the dispatch's stages (dispatchers.py): send, exchange, experts, combine; with the
+     shared experts inside the block (`place.shared_inside`, overlap.py) they are traced
+     after the dispatch exchange and added to the routed output;
   4. expert-tensor parallelism: partial outputs summed over the tensor axis;
   5. statistics: routing (loads, drops, balance and z losses) and exchange.
 """
@@ -26,9 +28,10 @@ import jax.numpy as jnp
 
 from xmoe_jax import sharding
 from xmoe_jax.config import MoEConfig, ParallelConfig
-from xmoe_jax.moe import router
+from xmoe_jax.moe import overlap, router
 from xmoe_jax.moe.capacity import keep_mask
 from xmoe_jax.moe.dispatchers import DISPATCHERS
+from xmoe_jax.moe.experts import shared_experts
 from xmoe_jax.moe.stages import run
 from xmoe_jax.moe.stats import PER_DEVICE, ExchangeStats, MoEStats
 from xmoe_jax.remat import ROUTING, tag
@@ -100,12 +103,16 @@ def _reduce_exchange(ex: ExchangeStats | None, token_axes) -> ExchangeStats | No
 
 
 def make_body(cfg: MoEConfig, parallel: ParallelConfig, place, seq_len: int | None):
-    """body(router_params, experts, x_TD) -> (y_TD, MoEStats) for `place` (placement.Placement)."""
+    """body(router_params, experts, x_TD[, shared]) -> (y_TD, MoEStats) for `place`
+    (placement.Placement); `shared` (the shared experts' weights) when `place.shared_inside`."""
     dispatcher = DISPATCHERS[parallel.dispatch]
 
-    def body(router_params, experts, x_TD):
+    def body(router_params, experts, x_TD, shared=None):
         routing, kept = route_and_keep(x_TD, router_params, cfg)
-        y_TD, ex = run(dispatcher.stages(x_TD, kept, experts, cfg, parallel, place))
+        stages = dispatcher.stages(x_TD, kept, experts, cfg, parallel, place)
+        if shared is not None:
+            stages = overlap.with_shared(stages, lambda: shared_experts(x_TD, shared, cfg.activation))
+        y_TD, ex = run(stages)
         if place.partial_axis is not None:
             y_TD = jax.lax.psum(y_TD, place.partial_axis)
         stats = routing_stats(routing, kept.keep_TK, cfg, seq_len, place.token_axes)

@@ -27,13 +27,14 @@ import jax.numpy as jnp
 
 from xmoe_jax import sharding
 from xmoe_jax.config import MoEConfig, ParallelConfig
+from xmoe_jax.moe import overlap
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.dense import dense_dispatch
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
-from xmoe_jax.moe.stages import Stages, prefixed
+from xmoe_jax.moe.stages import Stages
 
 
 def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -117,8 +118,10 @@ def _in_chunks(stages_fn):
 
     Each chunk is routed copies, exchange, experts and combine of its own (queue positions are
     re-ranked inside the chunk; capacity was already decided for the whole shard), so XLA may
-    run one chunk's exchange while another chunk's experts compute. Outputs are concatenated;
-    statistics summed (peaks: the max). Stage names gain a `chunk<i>/` prefix.
+    run one chunk's exchange while another chunk's experts compute. With `parallel.overlap`
+    `chunks` or `both` the chunks are software-pipelined (overlap.py: chunk i+1's dispatch
+    before chunk i's experts), else run in sequence. Outputs are concatenated; statistics
+    summed (peaks: the max). Stage names gain a `chunk<i>/` prefix.
     """
 
     def run(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -126,8 +129,8 @@ def _in_chunks(stages_fn):
         if num == 1 or x_TD.shape[0] % num:
             return (yield from stages_fn(x_TD, kept, experts, cfg, parallel, place))
         size = x_TD.shape[0] // num
-        ys, stats = [], []
-        for i in range(num):
+
+        def chunk_stages(i):
             part = slice(i * size, (i + 1) * size)
             idx_TK, keep_TK = kept.topk_idx_TK[part], kept.keep_TK[part]
             pos_TK = expert_positions(
@@ -139,11 +142,11 @@ def _in_chunks(stages_fn):
             chunk = kept._replace(
                 topk_idx_TK=idx_TK, gate_TK=kept.gate_TK[part], keep_TK=keep_TK, pos_TK=pos_TK
             )
-            y_TD, st = yield from prefixed(
-                f"chunk{i}", stages_fn(x_TD[part], chunk, experts, cfg, parallel, place)
-            )
-            ys.append(y_TD)
-            stats.append(st)
+            return stages_fn(x_TD[part], chunk, experts, cfg, parallel, place)
+
+        order = overlap.pipelined if parallel.overlap in ("chunks", "both") else overlap.sequential
+        results = yield from order([chunk_stages(i) for i in range(num)])
+        ys, stats = zip(*results, strict=True)
 
         def merge(name, *values):
             if values[0] is None:

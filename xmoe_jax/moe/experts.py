@@ -42,11 +42,13 @@ def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
 
 
 def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
-    """The shared experts (fused into one MLP), optionally scaled by sigmoid(x @ gate)."""
-    y_TD = dense_mlp(x_TD, shared, activation)
-    if "gate" in shared:
-        g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
-        y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
+    """The shared experts (fused into one MLP), optionally scaled by sigmoid(x @ gate).
+    Named `shared_experts` in profiles and HLO metadata."""
+    with jax.named_scope("shared_experts"):
+        y_TD = dense_mlp(x_TD, shared, activation)
+        if "gate" in shared:
+            g_T1 = jax.nn.sigmoid(x_TD.astype(jnp.float32) @ shared["gate"].astype(jnp.float32))
+            y_TD = (y_TD.astype(jnp.float32) * g_T1).astype(x_TD.dtype)
     return y_TD
 
 
@@ -188,5 +190,7 @@ def grouped_experts(
     weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`).
     """
     gs_E = group_sizes_E.astype(jnp.int32)
-    hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
-    return tag(_act_down(hidden, experts["w_down"], gs_E, activation), EXPERT_OUT)
+    with jax.named_scope("experts"):  # the name profiles and HLO metadata show
+        hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
+        y_RD = _act_down(hidden, experts["w_down"], gs_E, activation)
+    return tag(y_RD, EXPERT_OUT)

@@ -10,7 +10,9 @@ placed: the dispatch mode and its exchange (dispatchers.py) and where each piece
 (placement.py, with its table). The mesh is the ambient one (`jax.set_mesh`) unless
 one is passed. Steps (body.py): route and keep in float32, dispatch, experts and
 combine; then the shared experts, if any, on the block's input as the caller laid it
-out (under tensor parallelism an ordinary column/row-split MLP).
+out (under tensor parallelism an ordinary column/row-split MLP), or, with
+`parallel.overlap` shared/both and no TP, inside the block between the dispatch and
+the combine exchanges (placement.py, overlap.py).
 
 Dropless, every dispatch mode returns the same values with or without a mesh;
 dropping, pft and rbd equal the dense oracle given the same keep mask.
@@ -62,7 +64,7 @@ def moe_layer(
     body = make_body(cfg, parallel, place, seq_len)
     y_TD, stats = placement.run_block(body, params, xr_TD, place, parallel)
     y_TD = constrain(y_TD, ("moe_tokens", "embed"))
-    if cfg.num_shared_experts > 0:  # a TP (column/row) MLP on the input as the caller laid it out
+    if cfg.num_shared_experts > 0 and not place.shared_inside:  # a TP (column/row) MLP on the caller's layout
         y_TD = y_TD + shared_experts(x_TD, params["shared"], cfg.activation)
     # under SSMB the output stays split over tensor: the caller gathers it (or keeps it under SP)
     return constrain(y_TD, ("moe_tokens", "embed")), stats

@@ -19,6 +19,11 @@ the expert axes, so with SSMB every (data, tensor) coordinate is its own
 expert-parallel group, and the block's output comes back split over tensor too.
 Statistics are reduced over every token axis, so they are those of the whole batch.
 
+With `parallel.overlap` shared/both, a shard_map mode and `mesh.tensor == 1`, the shared
+experts enter the shard_map too (weights replicated, tokens as the routed block's) and run
+between the dispatch and the combine (`Placement.shared_inside`, overlap.py); otherwise they
+run after the block on the caller's layout (a column/row-split MLP under TP).
+
 `check_vma=False`: Pallas kernel outputs carry no varying-axes type on jax 0.11, so
 shard_map cannot type them; with the check off it psums the cotangents of
 replicated inputs (the router) itself, which is what the backward pass needs.
@@ -47,6 +52,7 @@ class Placement(NamedTuple):
     token_axes: tuple[str, ...]  # inside shard_map: the axes tokens are split over; else ()
     partial_axis: str | None  # expert-TP: the axis the expert hidden is split over (outputs psum'd)
     constrain: Callable  # logical sharding constraints for the body (a no-op inside shard_map)
+    shared_inside: bool = False  # the shared experts run in the body, between dispatch and combine
 
 
 def token_axes(parallel: ParallelConfig) -> tuple[str, ...]:
@@ -83,7 +89,10 @@ def resolve(parallel: ParallelConfig, mesh, num_tokens: int, cfg: MoEConfig) -> 
         constrain = block_constrainer(parallel, mesh) if mesh is not None else _no_constraint
         return Placement(mesh, False, (), None, constrain)
     partial = sharding.TENSOR_AXIS if parallel.expert_tensor_parallel else None
-    return Placement(mesh, True, token_axes(parallel), partial, _no_constraint)
+    # overlapped shared experts: whole (replicated) weights on the shard's tokens, so only without
+    # TP; under TP they stay the caller's column/row-split MLP after the block
+    inside = parallel.overlap in ("shared", "both") and cfg.num_shared_experts > 0 and tp == 1
+    return Placement(mesh, True, token_axes(parallel), partial, _no_constraint, inside)
 
 
 def block_constrainer(parallel: ParallelConfig, mesh):
@@ -115,19 +124,25 @@ def stats_specs(parallel: ParallelConfig, axes: tuple[str, ...]) -> MoEStats:
     return MoEStats(*(spec(name) for name in MoEStats._fields))
 
 
-def shard(body, place: Placement, parallel: ParallelConfig, experts: dict, router_params: dict, out_specs):
-    """`body(router_params, experts, x_TD)` per device over the block's token axes."""
-    return jax.shard_map(
-        body,
-        mesh=place.mesh,
-        in_specs=(
-            jax.tree.map(lambda _: PartitionSpec(), router_params),
-            expert_specs(experts, parallel),
-            PartitionSpec(place.token_axes),
-        ),
-        out_specs=out_specs,
-        check_vma=False,
-    )
+def _replicated(tree):
+    return jax.tree.map(lambda _: PartitionSpec(), tree)
+
+
+def shard(
+    body,
+    place: Placement,
+    parallel: ParallelConfig,
+    experts: dict,
+    router_params: dict,
+    out_specs,
+    shared: dict | None = None,
+):
+    """`body(router_params, experts, x_TD[, shared])` per device over the block's token axes
+    (shared experts, when given, replicated)."""
+    in_specs = (_replicated(router_params), expert_specs(experts, parallel), PartitionSpec(place.token_axes))
+    if shared is not None:
+        in_specs = (*in_specs, _replicated(shared))
+    return jax.shard_map(body, mesh=place.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def run_block(body, params: dict, x_TD: jax.Array, place: Placement, parallel: ParallelConfig):
@@ -138,5 +153,6 @@ def run_block(body, params: dict, x_TD: jax.Array, place: Placement, parallel: P
             experts = place_experts(experts, parallel, place.mesh)
         return body(params["router"], experts, x_TD)
     out_specs = (PartitionSpec(place.token_axes), stats_specs(parallel, place.token_axes))
-    fn = shard(body, place, parallel, params["experts"], params["router"], out_specs)
-    return fn(params["router"], params["experts"], x_TD)
+    shared = (params["shared"],) if place.shared_inside else ()
+    fn = shard(body, place, parallel, params["experts"], params["router"], out_specs, *shared)
+    return fn(params["router"], params["experts"], x_TD, *shared)

@@ -3,7 +3,8 @@
 Counts every collective op in the optimized module and the bytes of its result
 shape(s): for all-to-all that is the buffer each device exchanges (including the
 slice it keeps), for all-gather the gathered result, for reduce-scatter the
-scattered piece, for all-reduce the reduced buffer.
+scattered piece, for all-reduce the reduced buffer. `scheduled_ops` lists the collectives
+and dots of a compiled (scheduled) module in the order they run.
 """
 
 from __future__ import annotations
@@ -82,3 +83,37 @@ def collective_stats(hlo_text: str) -> dict[str, dict[str, int]]:
         stats[op]["count"] += 1
         stats[op]["bytes"] += _shape_bytes(m.group(1))
     return dict(stats)
+
+
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=.*?\s([a-z][a-z0-9-]*)\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def scheduled_ops(hlo_text: str) -> list[tuple[str, str]]:
+    """(kind, op_name) of the entry computation's collectives and dots, in the compiled order.
+
+    kind is the collective (`all-to-all`, ...) or `dot` for an instruction whose op_name ends in a
+    dot (a fusion or call around a dot carries its root's name; ragged dots included). A compiled
+    module is scheduled (`is_scheduled=true`), so this is the order the device runs them in, one
+    stream at a time; async pairs count at their start.
+    """
+    out, entry = [], False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            entry = True
+            continue
+        if not entry:
+            continue
+        if line.startswith("}"):
+            break
+        m = _ENTRY_OP.match(line)
+        if not m or "-done(" in line:
+            continue
+        name = _OP_NAME.search(line)
+        op_name = name.group(1) if name else ""
+        op = m.group(2).removesuffix("-start")
+        if op in COLLECTIVES:
+            out.append((op, op_name))
+        elif op == "dot" or op_name.endswith(("dot_general", "ragged_dot")):
+            out.append(("dot", op_name))
+    return out

@@ -23,7 +23,7 @@ import jax
 import yaml
 from jax.experimental import multihost_utils
 
-from xmoe_jax import sharding
+from xmoe_jax import sharding, xla_flags
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.model import functional as fmodel
@@ -174,6 +174,7 @@ def _run(
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
     evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
     profiler = StepProfiler(cfg.train.profile_steps, run_dir)  # [profile]
+    xla_flags.check_scheduler(cfg.parallel.xla_scheduler, jax.default_backend())  # warns if not in effect
     losses: dict[int, float] = {}
     records: list[dict] = []
     evals: list[dict] = []
