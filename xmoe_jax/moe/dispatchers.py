@@ -34,6 +34,7 @@ from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
 from xmoe_jax.moe.stages import Stages, prefixed
+from xmoe_jax.moe.stats import merge_chunks
 
 
 def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -109,16 +110,14 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
     )
 
 
-_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio", "max_nodes_per_token")
-
-
 def _in_chunks(stages_fn):
     """`stages_fn` run on `parallel.overlap_chunks` consecutive slices of the shard's tokens.
 
     Each chunk is routed copies, exchange, experts and combine of its own (queue positions are
     re-ranked inside the chunk; capacity was already decided for the whole shard), so XLA may
     run one chunk's exchange while another chunk's experts compute. Outputs are concatenated;
-    statistics summed (peaks: the max). Stage names gain a `chunk<i>/` prefix.
+    statistics merged as stats.FIELDS says (counts summed, peaks the max). Stage names gain a
+    `chunk<i>/` prefix.
     """
 
     def run(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -145,15 +144,7 @@ def _in_chunks(stages_fn):
             ys.append(y_TD)
             stats.append(st)
 
-        def merge(name, *values):
-            if values[0] is None:
-                return None
-            return jnp.max(jnp.stack(values), 0) if name in _MAX_STATS else sum(values)
-
-        merged = type(stats[0])(
-            *(merge(n, *vs) for n, vs in zip(stats[0]._fields, zip(*stats, strict=True), strict=True))
-        )
-        return jnp.concatenate(ys), merged
+        return jnp.concatenate(ys), merge_chunks(stats)
 
     return run
 
