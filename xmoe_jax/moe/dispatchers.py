@@ -156,6 +156,9 @@ class Dispatcher:
     stages: Callable[..., Stages]  # (x_TD, kept, experts, cfg, parallel, place) -> Stages
     shard_map: bool  # per device inside the block's shard_map (else the whole batch, partitioner)
     exchange_fields: tuple[str, ...] = ()  # ExchangeStats fields it fills in
+    # routed copies cross devices through static receive buffers (parallel.transport,
+    # recv_buffer_factor and the trainer's buffer ladder apply; dropless steps can overflow)
+    exchanges_tokens: bool = False
 
 
 _PFT_FIELDS = (
@@ -178,6 +181,11 @@ _RBD_FIELDS = (
 DISPATCHERS: dict[str, Dispatcher] = {
     "dense": Dispatcher(_dense, shard_map=False),
     "padded": Dispatcher(_padded, shard_map=False),
-    "pft": Dispatcher(_in_chunks(_pft), shard_map=True, exchange_fields=_PFT_FIELDS),
-    "rbd": Dispatcher(_in_chunks(_rbd), shard_map=True, exchange_fields=_RBD_FIELDS),
+    "pft": Dispatcher(_in_chunks(_pft), shard_map=True, exchange_fields=_PFT_FIELDS, exchanges_tokens=True),
+    "rbd": Dispatcher(_in_chunks(_rbd), shard_map=True, exchange_fields=_RBD_FIELDS, exchanges_tokens=True),
 }
+
+
+def exchanges_tokens(dispatch: str) -> bool:
+    """Whether dispatch mode `dispatch` moves routed copies between devices through receive buffers."""
+    return DISPATCHERS[dispatch].exchanges_tokens

@@ -26,6 +26,7 @@ import logging
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
+from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.train.errors import TrainingError
 
 log = logging.getLogger("xmoe_jax")
@@ -49,7 +50,7 @@ def applies(cfg: Config, num_exchange_devices: int) -> bool:
     moe = cfg.model.moe
     return (
         cfg.parallel.adaptive_buffers
-        and cfg.parallel.dispatch in ("pft", "rbd")
+        and exchanges_tokens(cfg.parallel.dispatch)
         and moe is not None
         and moe.capacity_factor is None
         and num_exchange_devices > 1

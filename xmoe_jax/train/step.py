@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xmoe_jax import sharding
 from xmoe_jax.config import Config
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats, merge_micro
 from xmoe_jax.train.state import TrainState
@@ -81,7 +82,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
 
     data_sh = batch_sharding(mesh, cfg)
     dropless_exchange = (
-        moe is not None and moe.capacity_factor is None and spec.parallel.dispatch in ("pft", "rbd")
+        moe is not None and moe.capacity_factor is None and exchanges_tokens(spec.parallel.dispatch)
     )
     micro = cfg.train.micro_batch_size
     num_micro = cfg.train.batch_size // micro if micro else 1
