@@ -35,7 +35,7 @@ def test_state_sizes_are_exact(replicated):
     total = count_params(replicated.model).total
     assert p.params == 4 * total  # float32 masters, replicated over data
     assert p.optimizer >= 2 * p.params  # AdamW's two moments (plus counters)
-    assert p.gradients == p.params
+    assert p.gradients == 4 * total  # float32, one per parameter, replicated (counted from the model)
     assert p.temporaries > 0 and p.peak >= p.arguments
     assert p.fits and p.advice == []
     assert "fits" in p.table()

@@ -361,7 +361,9 @@ def convert_main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a HuggingFace directory -> a run directory to train or resume")
     imp.add_argument(
-        "--hf-dir", required=True, help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE)"
+        "--hf-dir",
+        required=True,
+        help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)",
     )
     imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
     exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")

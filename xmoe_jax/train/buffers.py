@@ -46,6 +46,11 @@ def _rung_index(factor: float | None) -> int:
     return len(RUNGS) - 1
 
 
+def rung_for(factor: float | None) -> float | None:
+    """The ladder's smallest rung that holds `factor` x the average load (None: the worst case)."""
+    return RUNGS[_rung_index(factor)]
+
+
 def applies(cfg: Config, num_exchange_devices: int) -> bool:
     moe = cfg.model.moe
     return (
