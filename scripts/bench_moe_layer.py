@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax.launch.xla_flags import apply_defaults
 
 apply_defaults()
 

@@ -16,7 +16,7 @@ import json
 import logging
 import tempfile
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax.launch.xla_flags import apply_defaults
 
 apply_defaults()  # before JAX starts its backend
 

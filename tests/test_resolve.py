@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from xmoe_jax import xla_flags
 from xmoe_jax.config import ParallelConfig, load_config
+from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.resolve import ONE_DEVICE, one_device_overrides, resolve_placement

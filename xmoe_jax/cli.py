@@ -13,7 +13,7 @@
 Exit status of `xmoe-train` (docs/reliability.md):
     0   the run finished;
     1   it failed: a non-finite loss under train.nan_policy=stop, another process of the job
-        died or failed (`xmoe_jax.peers`), or an unexpected error;
+        died or failed (`xmoe_jax.launch.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
         or in use by another trainer), an incompatible checkpoint or none that restores intact;
     75  stopped by a signal of train.stop_signals after saving a checkpoint (EX_TEMPFAIL):
@@ -22,7 +22,7 @@ Errors print one line naming the problem and the fix.
 
 The launch flags (`add_cli_flags`) and the call that turns them into a started job
 (`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
-XMOE_* variables and SLURM combine is `xmoe_jax.distributed`'s rule.
+XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import pathlib
 import sys
 import traceback
 
-from xmoe_jax import distributed
 from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.launch import distributed
 
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
 
@@ -122,11 +122,11 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()  # before anything starts JAX's backend
     _quiet_logging()
-    from xmoe_jax import peers
+    from xmoe_jax.launch import peers
     from xmoe_jax.train import preemption
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
@@ -197,7 +197,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ.setdefault("XMOE_KERNELS", "shapes")
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     import jax
@@ -274,7 +274,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     _add_overrides(p, "eval.data.path=valid.jsonl")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
@@ -328,7 +328,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
@@ -376,7 +376,7 @@ def convert_main(argv: list[str] | None = None) -> int:
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()

@@ -21,8 +21,9 @@ import dataclasses
 
 import jax
 
-from xmoe_jax import sharding, xla_flags
+from xmoe_jax import sharding
 from xmoe_jax.config import Config
+from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.train.buffers import BufferLadder, applies
 

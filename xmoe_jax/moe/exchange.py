@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax import xla_flags
+from xmoe_jax.launch import xla_flags
 
 
 class Plan(NamedTuple):

@@ -41,7 +41,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from xmoe_jax import distributed
 from xmoe_jax.config import (
     CheckpointConfig,
     Config,
@@ -51,6 +50,7 @@ from xmoe_jax.config import (
     migrate_dict,
     to_dict,
 )
+from xmoe_jax.launch import distributed
 from xmoe_jax.train import integrity
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str

@@ -15,7 +15,7 @@ GPU presets for the ragged all-to-all (measured on 2x H200, jax 0.11.2, 49k rows
 The library default is `decomposer`, the fastest measured; set XMOE_RAGGED_A2A (or
 XLA_FLAGS yourself) to choose another.
 
-The transport choice (`transport_for`, called by `moe.exchange.resolve_transport`) reads
+The transport check (`transport_for`, called once at start-up by xmoe_jax/resolve.py) reads
 the flags the running backend started with (`effective_flags`), never what XLA_FLAGS says
 now: if the wanted preset did not take effect, `auto` picks `emulated` (the same dense
 all-to-all the decomposer would run) and an explicit `ragged` stays, each with one warning.
@@ -39,7 +39,7 @@ RAGGED_A2A_PRESETS: dict[str, dict[str, str]] = {
 DEFAULT_RAGGED_A2A_PRESET = "decomposer"
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _FIX = (
-    "call xmoe_jax.xla_flags.apply_defaults() before anything starts JAX's backend (before "
+    "call xmoe_jax.launch.xla_flags.apply_defaults() before anything starts JAX's backend (before "
     "jax.devices(), arrays or jit), or export XLA_FLAGS='{flags}' before starting Python"
 )
 
