@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax.launch.xla_flags import apply_defaults
 
 apply_defaults()
 
@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from xmoe_jax.config import MeshConfig, ParallelConfig  # noqa: E402
+from xmoe_jax.moe.dispatchers import exchanges_tokens  # noqa: E402
 from xmoe_jax.perf.moe_bench import (  # noqa: E402
     exchange_case,
     make_inputs,
@@ -47,7 +48,7 @@ def _error(err: Exception) -> str:
 def shapes(args, dispatch: str, capacity_factor: float | None = None):
     """Small shapes and the placement for `dispatch` (the command line's exchange options for pft / rbd)."""
     extra = {}
-    if dispatch in ("pft", "rbd"):
+    if exchanges_tokens(dispatch):
         extra = {
             "transport": args.transport,
             "recv_buffer_factor": args.recv_buffer_factor,
@@ -125,7 +126,7 @@ def main() -> None:
             name, _, cf = mode.partition(":")
             cfg, par, dim = shapes(args, name, float(cf) if cf else None)
             try:
-                settle = args.recv_buffer_factor == "auto" and name in ("pft", "rbd")
+                settle = args.recv_buffer_factor == "auto" and exchanges_tokens(name)
                 rows.append(
                     moe_layer_case(
                         cfg, par, dim, num_tokens, mesh, skew, iters=args.iters, settle_buffers=settle
@@ -173,14 +174,14 @@ def main() -> None:
     )
     for r in rows:
         mode = f"{r['dispatch']}:{r['capacity_factor']}"
-        if r["dispatch"] in ("pft", "rbd"):
+        if exchanges_tokens(r["dispatch"]):
             mode += f"/{r.get('transport', '')}@{r.get('recv_buffer_factor')}"
         if "error" in r:
             print(f"{r['skew']:>4} {mode:<22} {r['error'][:80]}")
             continue
         a2a = sum(v["bytes"] for k, v in r["collectives"].items() if "all-to-all" in k) / 1e6
         wire = r.get("pft_wire_bytes_per_device", 0) + r.get("rbd_node_wire_bytes_per_device", 0)
-        wire = wire / 1e6 if r["dispatch"] in ("pft", "rbd") else a2a
+        wire = wire / 1e6 if exchanges_tokens(r["dispatch"]) else a2a
         routed = r.get("routed_bytes_per_device", 0) / 1e6
         print(
             f"{r['skew']:>4} {mode:<22} {r['fwd_ms']:>8.2f} {r['fwd_bwd_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "

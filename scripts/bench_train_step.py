@@ -16,7 +16,7 @@ import json
 import logging
 import tempfile
 
-from xmoe_jax import xla_flags
+from xmoe_jax.launch import xla_flags
 
 xla_flags.apply_defaults()  # before JAX starts its backend (XMOE_XLA_SCHEDULER picks the scheduler)
 

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import json
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax.launch.xla_flags import apply_defaults
 
 apply_defaults()
 

@@ -7,7 +7,7 @@
 With --nodelist, the SLURM environment of every task of `srun -N<nodes> --ntasks-per-node=<t>
 [--gpus-per-task=<g>]` is modelled (srun's GPU binding as <g> visible GPUs per task, in local-id
 order; `--gpu-bind=closest` may pick other GPU ids, which does not change the plan) and each task's
-plan is resolved by `xmoe_jax.distributed.plan`, the same code `xmoe-train` runs. The SLURM
+plan is resolved by `xmoe_jax.launch.distributed.plan`, the same code `xmoe-train` runs. The SLURM
 launchers in scripts/ call this under DRY_RUN=1.
 """
 
@@ -17,8 +17,9 @@ import argparse
 import json
 import sys
 
-from xmoe_jax import cli, distributed, slurm
+from xmoe_jax import cli
 from xmoe_jax.config import ConfigError
+from xmoe_jax.launch import distributed, slurm
 
 
 def slurm_env(

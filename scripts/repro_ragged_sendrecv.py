@@ -15,7 +15,7 @@ import argparse
 import os
 import time
 
-from xmoe_jax.xla_flags import apply_defaults
+from xmoe_jax.launch.xla_flags import apply_defaults
 
 apply_defaults()
 

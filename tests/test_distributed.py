@@ -12,11 +12,12 @@ import sys
 import jax
 import pytest
 
-from xmoe_jax import cli, distributed
+from xmoe_jax import cli
 from xmoe_jax.config import ConfigError, DataConfig, load_config
 from xmoe_jax.data import make_input
-from xmoe_jax.distributed import DistributedError, plan
-from xmoe_jax.slurm import expand_hostlist
+from xmoe_jax.launch import distributed
+from xmoe_jax.launch.distributed import DistributedError, plan
+from xmoe_jax.launch.slurm import expand_hostlist
 from xmoe_jax.train.checkpoint import Checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -245,7 +246,11 @@ def test_plan_module_prints_this_process():
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XMOE_"))}
     env = {**clean, **slurm(9, 16, per_node=8, SLURM_GPUS_PER_TASK=1, ROCR_VISIBLE_DEVICES=2)}
     out = subprocess.run(
-        [sys.executable, "-m", "xmoe_jax.distributed"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "xmoe_jax.launch.distributed"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "process    9/16  node node002 (local 1)" in out.stdout

@@ -1,7 +1,7 @@
 """Two CPU processes (one device each) joined by jax.distributed (gloo), the real CLI: a signal to
 one process stops both after the same step with status 75, the resume finishes, and both runs
 leave jax.distributed without coordination errors; a process killed (SIGKILL) or frozen (SIGSTOP)
-makes the other stop within a bounded time with a message naming it (`xmoe_jax.peers`). Resume
+makes the other stop within a bounded time with a message naming it (`xmoe_jax.launch.peers`). Resume
 exactness is shown in one process (test_preemption.py) and across process counts
 (test_multihost.py)."""
 

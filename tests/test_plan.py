@@ -35,7 +35,7 @@ def test_state_sizes_are_exact(replicated):
     total = count_params(replicated.model).total
     assert p.params == 4 * total  # float32 masters, replicated over data
     assert p.optimizer >= 2 * p.params  # AdamW's two moments (plus counters)
-    assert p.gradients == p.params
+    assert p.gradients == 4 * total  # float32, one per parameter, replicated (counted from the model)
     assert p.bytes_per_param == pytest.approx(
         {"params": 4, "moments": 8, "gradients": 4, "accumulators": 0}, rel=1e-3
     )

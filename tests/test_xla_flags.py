@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from xmoe_jax import xla_flags
+from xmoe_jax.launch import xla_flags
 
 DECOMPOSER = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 
@@ -74,7 +74,7 @@ def test_late_apply_warns_once_naming_the_flag(monkeypatch, caplog):
 
 def test_flags_applied_before_jax_starts_take_effect():
     code = (
-        "import os; from xmoe_jax.xla_flags import apply_defaults, effective_preset; apply_defaults(); "
+        "import os; from xmoe_jax.launch.xla_flags import apply_defaults, effective_preset; apply_defaults(); "
         "import jax; jax.devices(); print(effective_preset(), flush=True)"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XMOE_RAGGED_A2A")}

@@ -4,7 +4,7 @@ Start with `xmoe_jax.moe.moe_layer` (the functional MoE core), `xmoe_jax.config`
 (typed configs), `xmoe_jax.sharding` (mesh and logical axis rules) and
 `xmoe_jax.train.loop.train` (the trainer). Importing the package changes nothing
 in the process: the CLI and the scripts apply the XLA flag defaults
-(`xmoe_jax.xla_flags.apply_defaults`) before JAX starts its backend.
+(`xmoe_jax.launch.xla_flags.apply_defaults`) before JAX starts its backend.
 """
 
 from xmoe_jax.config import Config, ModelConfig, MoEConfig, ParallelConfig, load_config

@@ -13,7 +13,7 @@
 Exit status of `xmoe-train` (docs/reliability.md):
     0   the run finished;
     1   it failed: a non-finite loss under train.nan_policy=stop, another process of the job
-        died or failed (`xmoe_jax.peers`), or an unexpected error;
+        died or failed (`xmoe_jax.launch.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
         or in use by another trainer), an incompatible checkpoint or none that restores intact;
     75  stopped by a signal of train.stop_signals after saving a checkpoint (EX_TEMPFAIL):
@@ -22,7 +22,7 @@ Errors print one line naming the problem and the fix.
 
 The launch flags (`add_cli_flags`) and the call that turns them into a started job
 (`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
-XMOE_* variables and SLURM combine is `xmoe_jax.distributed`'s rule.
+XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import pathlib
 import sys
 import traceback
 
-from xmoe_jax import distributed
 from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.launch import distributed
 
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
 
@@ -127,11 +127,11 @@ def train_main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
     except ConfigError as err:
         return _fail(err)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
     _quiet_logging()
-    from xmoe_jax import peers
+    from xmoe_jax.launch import peers
     from xmoe_jax.train import preemption
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
@@ -206,7 +206,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ.setdefault("XMOE_KERNELS", "shapes")
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     import jax
@@ -287,7 +287,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     _add_overrides(p, "eval.data.path=valid.jsonl")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
@@ -341,7 +341,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
@@ -374,7 +374,9 @@ def convert_main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a HuggingFace directory -> a run directory to train or resume")
     imp.add_argument(
-        "--hf-dir", required=True, help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE)"
+        "--hf-dir",
+        required=True,
+        help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)",
     )
     imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
     exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
@@ -387,7 +389,7 @@ def convert_main(argv: list[str] | None = None) -> int:
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()

@@ -34,7 +34,13 @@ StateDType = Literal["float32", "bfloat16"]
 DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal[
-    "none", "full", "save_dots", "save_attention_and_experts", "save_sublayer_outputs", "save_exchange", "offload_experts"
+    "none",
+    "full",
+    "save_dots",
+    "save_attention_and_experts",
+    "save_sublayer_outputs",
+    "save_exchange",
+    "offload_experts",
 ]
 NanPolicy = Literal["stop", "skip"]
 QKNorm = Literal["none", "head", "full"]

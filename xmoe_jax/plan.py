@@ -35,6 +35,7 @@ import numpy as np
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, MeshShape
+from xmoe_jax.moe.dispatchers import exchanges_tokens
 
 GiB = 2**30
 
@@ -162,7 +163,7 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         out.append(f"train.micro_batch_size={micro // 2}: half the activations per micro-batch")
     if plan.mesh.tensor > 1 and not cfg.parallel.ssmb:
         out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
-    if cfg.parallel.dispatch in ("pft", "rbd") and cfg.parallel.recv_buffer_factor is None:
+    if exchanges_tokens(cfg.parallel.dispatch) and cfg.parallel.recv_buffer_factor is None:
         out.append(
             "parallel.recv_buffer_factor=1.25 (with parallel.adaptive_buffers=true): buffers near the average"
         )
@@ -171,27 +172,26 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
 
 
 def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, list[str]]:
-    """The config whose step the trainer compiles first (step 2), and what changed."""
-    from xmoe_jax.train.buffers import BufferLadder, applies
+    """The config whose step the trainer compiles first (step 2), and what changed: the run's
+    placement settled as the trainer settles it (xmoe_jax/resolve.py), for a GPU when planning on
+    CPU."""
+    from xmoe_jax.resolve import resolve_placement
 
-    notes, parallel = [], cfg.parallel
-    ladder = BufferLadder(parallel, applies(cfg, shape.expert))
-    if ladder.active and parallel.recv_buffer_factor != ladder.factor:
+    placed = resolve_placement(cfg, shape.expert, backend="gpu" if on_cpu else None)
+    notes = []
+    if placed.parallel.recv_buffer_factor != cfg.parallel.recv_buffer_factor:
         notes.append(
-            f"receive buffers at {ladder.factor}x the average load, where adaptive buffers start "
-            "(parallel.adaptive_buffers=false plans the fixed factor, null = the worst case)"
+            f"receive buffers at {placed.parallel.recv_buffer_factor}x the average load, where adaptive "
+            "buffers start (parallel.adaptive_buffers=false plans the fixed factor, null = the worst case)"
         )
-        parallel = ladder.parallel
-    if on_cpu and cfg.model.moe is not None and parallel.transport == "auto":
+    if on_cpu and cfg.model.moe is not None and cfg.parallel.transport == "auto":
         notes.append("transport auto compiled as on a GPU (bucketed), not as CPU's emulation")
-        parallel = dataclasses.replace(parallel, transport="bucketed")
-    return dataclasses.replace(cfg, parallel=parallel), notes
+    return placed, notes
 
 
 def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     """Compile cfg's train step for the devices JAX has and read back its memory."""
     from xmoe_jax.model.functional import model_spec
-    from xmoe_jax.train.buffers import BufferLadder, applies
     from xmoe_jax.train.optimizer import make_optimizer
     from xmoe_jax.train.state import abstract_state, state_shardings
     from xmoe_jax.train.step import batch_sharding, make_train_step
@@ -199,10 +199,7 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     devices = jax.device_count()
     shape = cfg.validate_for_devices(devices)
     cfg, notes = as_trained(cfg, shape, jax.devices()[0].platform == "cpu")
-    mesh = sharding.make_mesh(cfg.mesh)
-    # adaptive buffers: plan the rung training starts on (the ladder only grows it when routing needs)
-    ladder = BufferLadder(cfg.parallel, applies(cfg, sharding.axis_size(mesh, sharding.EXPERT_AXES)))
-    cfg = dataclasses.replace(cfg, parallel=ladder.parallel)
+    mesh = sharding.make_mesh(cfg.mesh)  # adaptive buffers: as_trained planned the rung training starts on
     spec = model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)

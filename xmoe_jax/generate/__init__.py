@@ -1,5 +1,6 @@
-"""Text generation from a checkpoint: KV-cached prefill and decode (engine.py), sampling
-(sampling.py), and the text <-> ids functions of the CLI (text.py)."""
+"""Text generation from a checkpoint: KV-cached prefill and decode (engine.py) and sampling
+(sampling.py). Text <-> ids is the run's tokenizer (xmoe_jax/data/tokenizer.py), which the
+CLI's `xmoe-generate` loads."""
 
 from xmoe_jax.generate.engine import generate, generate_from_run, generation_config
 from xmoe_jax.generate.sampling import SamplingConfig, sample

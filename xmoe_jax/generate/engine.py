@@ -34,6 +34,7 @@ from xmoe_jax.config import Config, ConfigError
 from xmoe_jax.generate.sampling import SamplingConfig, sample
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.model.kv_cache import init_cache
+from xmoe_jax.resolve import exchange_devices, one_device_overrides, resolve_placement
 from xmoe_jax.train.weights import load_weights, read_run_config
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -133,21 +134,15 @@ def generate_from_run(
     eos_id: int | None = None,
 ) -> list[list[int]]:
     """`generate` with the weights of a run's checkpoint (`step`, latest if None): on one device
-    with dense dispatch, or (`on_mesh`) on the run's mesh with its placement; dotted
+    with dense dispatch (`resolve.ONE_DEVICE`), or (`on_mesh`) on the run's mesh with its placement; dotted
     `overrides` change either (`parallel.dispatch=pft`, `mesh.expert=4`, `model.dtype=float32`)."""
-    if not on_mesh:
-        one = ["mesh.data=1", "mesh.expert=1", "mesh.tensor=1", "mesh.expert_nodes=1", "mesh.fsdp=false"]
-        one += [
-            "parallel.dispatch=dense",
-            "parallel.auto_shard=false",
-            "parallel.expert_tensor_parallel=false",
-            "parallel.route_groups_by_node=false",
-        ]
-        overrides = one + list(overrides or [])
+    if not on_mesh:  # the user's overrides come after, so they win
+        overrides = one_device_overrides() + list(overrides or [])
     cfg, step = read_run_config(run_dir, step, overrides)
     cfg = generation_config(cfg)
     devices = jax.devices() if on_mesh else jax.devices()[:1]
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    cfg = resolve_placement(cfg, exchange_devices(mesh))
     with jax.set_mesh(mesh):
         params, bias = load_weights(run_dir, cfg, step, mesh)
     spec = fmodel.model_spec(cfg.model, cfg.parallel)

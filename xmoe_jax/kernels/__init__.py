@@ -17,7 +17,8 @@ Files, one folder per op:
   permute/   api.py (public permute / combine, custom VJPs), xla.py (oracle), pallas.py
   backends.py   IMPLEMENTATIONS, the registry of backend objects, and choose_backend (fallbacks)
   defaults.py   per-platform default backend, tiles and launch parameters (measured data)
-  platform.py   platform detection (cpu / cuda / rocm, Hopper, installed packages)
+  platform.py   platform detection (cpu / cuda / rocm, Hopper, installed packages), and `target`:
+                choose for another platform (export for ROCm from a CPU host)
   validation.py argument checks;  vma.py  shard_map varying-axes alignment for the custom VJPs
 """
 

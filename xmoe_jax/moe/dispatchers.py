@@ -35,6 +35,7 @@ from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
 from xmoe_jax.moe.stages import Stages
+from xmoe_jax.moe.stats import merge_chunks
 
 
 def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -110,9 +111,6 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
     )
 
 
-_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio", "max_nodes_per_token")
-
-
 def _in_chunks(stages_fn):
     """`stages_fn` run on `parallel.overlap_chunks` consecutive slices of the shard's tokens.
 
@@ -121,7 +119,8 @@ def _in_chunks(stages_fn):
     run one chunk's exchange while another chunk's experts compute. With `parallel.overlap`
     `chunks` or `both` the chunks are software-pipelined (overlap.py: chunk i+1's dispatch
     before chunk i's experts), else run in sequence. Outputs are concatenated; statistics
-    summed (peaks: the max). Stage names gain a `chunk<i>/` prefix.
+    merged as stats.FIELDS says (counts summed, peaks the max). Stage names gain a
+    `chunk<i>/` prefix.
     """
 
     def run(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -148,15 +147,7 @@ def _in_chunks(stages_fn):
         results = yield from order([chunk_stages(i) for i in range(num)])
         ys, stats = zip(*results, strict=True)
 
-        def merge(name, *values):
-            if values[0] is None:
-                return None
-            return jnp.max(jnp.stack(values), 0) if name in _MAX_STATS else sum(values)
-
-        merged = type(stats[0])(
-            *(merge(n, *vs) for n, vs in zip(stats[0]._fields, zip(*stats, strict=True), strict=True))
-        )
-        return jnp.concatenate(ys), merged
+        return jnp.concatenate(ys), merge_chunks(stats)
 
     return run
 
@@ -168,6 +159,9 @@ class Dispatcher:
     stages: Callable[..., Stages]  # (x_TD, kept, experts, cfg, parallel, place) -> Stages
     shard_map: bool  # per device inside the block's shard_map (else the whole batch, partitioner)
     exchange_fields: tuple[str, ...] = ()  # ExchangeStats fields it fills in
+    # routed copies cross devices through static receive buffers (parallel.transport,
+    # recv_buffer_factor and the trainer's buffer ladder apply; dropless steps can overflow)
+    exchanges_tokens: bool = False
 
 
 _PFT_FIELDS = (
@@ -190,6 +184,11 @@ _RBD_FIELDS = (
 DISPATCHERS: dict[str, Dispatcher] = {
     "dense": Dispatcher(_dense, shard_map=False),
     "padded": Dispatcher(_padded, shard_map=False),
-    "pft": Dispatcher(_in_chunks(_pft), shard_map=True, exchange_fields=_PFT_FIELDS),
-    "rbd": Dispatcher(_in_chunks(_rbd), shard_map=True, exchange_fields=_RBD_FIELDS),
+    "pft": Dispatcher(_in_chunks(_pft), shard_map=True, exchange_fields=_PFT_FIELDS, exchanges_tokens=True),
+    "rbd": Dispatcher(_in_chunks(_rbd), shard_map=True, exchange_fields=_RBD_FIELDS, exchanges_tokens=True),
 }
+
+
+def exchanges_tokens(dispatch: str) -> bool:
+    """Whether dispatch mode `dispatch` moves routed copies between devices through receive buffers."""
+    return DISPATCHERS[dispatch].exchanges_tokens

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax import xla_flags
+from xmoe_jax.launch import xla_flags
 
 
 class Plan(NamedTuple):
@@ -83,11 +83,14 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
     )
 
 
-def resolve_transport(transport: str) -> str:
-    """`auto` -> `bucketed` on GPU (the fastest measured: benchmarks/exchange.md), else `emulated`;
-    an explicit `ragged` warns when the XLA flags it relies on did not take effect
-    (`xla_flags.transport_for`)."""
-    return xla_flags.transport_for(transport, jax.default_backend())
+def resolve_transport(transport: str, backend: str | None = None) -> str:
+    """A concrete transport: `auto` -> `bucketed` on GPU (the fastest measured:
+    benchmarks/exchange.md), `emulated` elsewhere; the others unchanged. The apps settle `auto`
+    once at start-up (xmoe_jax/resolve.py); direct library calls that leave it get the rule for
+    JAX's backend (`backend` None)."""
+    if transport != "auto":
+        return transport
+    return "bucketed" if (backend or jax.default_backend()) in xla_flags.GPU_BACKENDS else "emulated"
 
 
 def ragged_is_decomposed() -> bool:

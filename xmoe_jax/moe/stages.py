@@ -3,8 +3,8 @@
 A dispatch (pft.py, rbd.py) is written as a generator: at each stage boundary it
 yields `(name, arrays)` (the arrays that stage produced) and at the end it returns
 its result. The layer exhausts it with `run`; the stage benchmark
-(xmoe_jax/bench_stages.py) compiles one program per prefix with `run_until` and
-times each, so a stage's time is the difference of consecutive prefixes. Tracing a
+(xmoe_jax/perf/stages.py, run by scripts/bench_moe_layer.py) compiles one program per
+prefix with `run_until` and times each, so a stage's time is the difference of consecutive prefixes. Tracing a
 generator is ordinary Python: the compiled layer is the same as without stages.
 """
 

@@ -6,28 +6,55 @@ Shapes: E experts, P devices of the block's token axes.
 collects per layer: the routing statistics every dispatch has, and the exchange
 statistics only the shard_map dispatches (pft, rbd) have (None elsewhere). Totals
 are those of the whole batch; the fields in `PER_DEVICE` are [P] vectors, one entry
-per device of the token axes (a scalar without a mesh).
+per device of the token axes (a scalar without a mesh). `FIELDS` says, per field, how
+it combines across devices, overlap chunks and micro-batches; the block body, its
+shard_map specs, the chunked dispatch and the train step's accumulation all read it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
-PER_DEVICE = (
-    "recv_rows",
-    "wire_bytes",
-    "routed_bytes",
-    "peak_rows",
-    "buffer_rows",
-    "peak_ratio",
-    "pilot_rows",
-    "inter_node_rows",
-    "wire_bytes_node",
-    "routed_bytes_node",
-    "max_nodes_per_token",
-)
+Merge = Literal["sum", "mean", "max"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """How one statistic combines: across the devices of the token axes, across the overlap
+    chunks of one device's shard (moe/dispatchers.py), across the micro-batches of one step
+    (train/step.py)."""
+
+    per_device: bool  # a [P] vector, one entry per device; else a total of the whole batch
+    chunks: Merge | None  # None: computed once per shard (the routing half), never per chunk
+    micro: Merge
+
+
+# One row per MoEStats field; every reducer reads this table.
+FIELDS: dict[str, Field] = {
+    "tokens_per_expert": Field(per_device=False, chunks=None, micro="sum"),
+    "num_dropped": Field(per_device=False, chunks=None, micro="sum"),
+    "drop_rate": Field(per_device=False, chunks=None, micro="mean"),
+    "aux_loss": Field(per_device=False, chunks=None, micro="mean"),
+    "z_loss": Field(per_device=False, chunks=None, micro="mean"),
+    "num_overflow": Field(per_device=False, chunks="sum", micro="sum"),
+    "recv_rows": Field(per_device=True, chunks="sum", micro="sum"),
+    "wire_bytes": Field(per_device=True, chunks="sum", micro="sum"),
+    "routed_bytes": Field(per_device=True, chunks="sum", micro="sum"),
+    # buffer peaks: the binding one (a step fits when every chunk and micro-batch fits)
+    "peak_rows": Field(per_device=True, chunks="max", micro="max"),
+    "buffer_rows": Field(per_device=True, chunks="max", micro="max"),
+    "peak_ratio": Field(per_device=True, chunks="max", micro="max"),
+    "pilot_rows": Field(per_device=True, chunks="sum", micro="sum"),
+    "inter_node_rows": Field(per_device=True, chunks="sum", micro="sum"),
+    "wire_bytes_node": Field(per_device=True, chunks="sum", micro="sum"),
+    "routed_bytes_node": Field(per_device=True, chunks="sum", micro="sum"),
+    "max_nodes_per_token": Field(per_device=True, chunks="max", micro="max"),
+}
+PER_DEVICE = tuple(name for name, field in FIELDS.items() if field.per_device)
 
 
 class ExchangeStats(NamedTuple):
@@ -72,6 +99,27 @@ class MoEStats(NamedTuple):
         return self if ex is None else self._replace(**ex._asdict())
 
 
-def exchange_fields(ex: ExchangeStats | None) -> tuple[str, ...]:
-    """The exchange fields a dispatch filled in."""
-    return () if ex is None else tuple(k for k, v in ex._asdict().items() if v is not None)
+def merge_chunks(parts: list[ExchangeStats]) -> ExchangeStats:
+    """The exchange statistics of one shard from those of its overlap chunks (FIELDS[..].chunks)."""
+
+    def merge(name, *values):
+        if values[0] is None:
+            return None
+        return jnp.max(jnp.stack(values), 0) if FIELDS[name].chunks == "max" else sum(values)
+
+    return ExchangeStats(
+        *(merge(n, *vs) for n, vs in zip(ExchangeStats._fields, zip(*parts, strict=True), strict=True))
+    )
+
+
+_REDUCE_N = {"sum": lambda v: v.sum(0), "mean": lambda v: v.mean(0), "max": lambda v: v.max(0)}
+
+
+def merge_micro(stats_N: MoEStats) -> MoEStats:
+    """The statistics of one step from those of its N micro-batches ([N, ...] leaves)."""
+    return MoEStats(
+        *(
+            None if v is None else _REDUCE_N[FIELDS[name].micro](v)
+            for name, v in zip(MoEStats._fields, stats_N, strict=True)
+        )
+    )

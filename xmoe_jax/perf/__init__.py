@@ -8,4 +8,5 @@ Nothing in the trainer imports this package. Modules:
   compare.py       manual (shard_map) vs automatic (partitioner) sharding of the MoE layer;
   memory_model.py  analytic activation memory of the MoE block;
   rbd_cost.py      RBD's expected saving of cross-node rows.
+  lowering.py      the train step exported for ROCm / CUDA from any host, and its kernel calls.
 """

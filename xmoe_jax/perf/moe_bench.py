@@ -62,12 +62,12 @@ def place_inputs(params, x_TD, parallel: ParallelConfig, mesh):
 
 def settled_rung(cfg: MoEConfig, parallel: ParallelConfig, params, x_TD, mesh) -> ParallelConfig:
     """`parallel` with the smallest buffer rung (train/buffers.py) that holds this routing's peak."""
-    from xmoe_jax.train.buffers import RUNGS, _rung_index
+    from xmoe_jax.train.buffers import rung_for
 
     worst = dataclasses.replace(parallel, recv_buffer_factor=None)
     _, stats = jax.jit(lambda p, x: moe_layer(p, x, cfg, worst, mesh=mesh))(params, x_TD)
     peak = float(np.asarray(stats.peak_ratio).max()) if stats.peak_ratio is not None else 0.0
-    return dataclasses.replace(parallel, recv_buffer_factor=RUNGS[_rung_index(peak)])
+    return dataclasses.replace(parallel, recv_buffer_factor=rung_for(peak))
 
 
 def moe_layer_case(

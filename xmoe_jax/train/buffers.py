@@ -26,6 +26,7 @@ import logging
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
+from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.train.errors import TrainingError
 
 log = logging.getLogger("xmoe_jax")
@@ -45,11 +46,16 @@ def _rung_index(factor: float | None) -> int:
     return len(RUNGS) - 1
 
 
+def rung_for(factor: float | None) -> float | None:
+    """The ladder's smallest rung that holds `factor` x the average load (None: the worst case)."""
+    return RUNGS[_rung_index(factor)]
+
+
 def applies(cfg: Config, num_exchange_devices: int) -> bool:
     moe = cfg.model.moe
     return (
         cfg.parallel.adaptive_buffers
-        and cfg.parallel.dispatch in ("pft", "rbd")
+        and exchanges_tokens(cfg.parallel.dispatch)
         and moe is not None
         and moe.capacity_factor is None
         and num_exchange_devices > 1

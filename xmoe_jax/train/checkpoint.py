@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from xmoe_jax import distributed
 from xmoe_jax.config import (
     CheckpointConfig,
     Config,
@@ -52,6 +51,7 @@ from xmoe_jax.config import (
     migrate_dict,
     to_dict,
 )
+from xmoe_jax.launch import distributed
 from xmoe_jax.train import integrity
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str

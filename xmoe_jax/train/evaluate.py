@@ -24,6 +24,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, load_config
 from xmoe_jax.data import make_eval_input
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.state import TrainState
 
@@ -113,6 +114,7 @@ def evaluate_checkpoint(
     with jax.set_mesh(mesh), Checkpointer(ckpt_dir, cfg.checkpoint) as ckpt:
         step = step if step is not None else ckpt.latest_step()
         check_compatible(ckpt.read_config(step), cfg)
+        cfg = resolve_placement(cfg, exchange_devices(mesh))
         spec = fmodel.model_spec(cfg.model, cfg.parallel)
         optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
         shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)

@@ -27,6 +27,7 @@ from xmoe_jax import sharding, xla_flags
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_eval_input, make_input
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import layout, rundir
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.buffers import AdaptiveStep
@@ -148,7 +149,8 @@ def _run(
     cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool, stop, eval_data=None
 ) -> TrainResult:
     ckpt_dir = run_dir / "checkpoints"
-    spec = fmodel.model_spec(cfg.model, cfg.parallel)
+    placed = resolve_placement(cfg, exchange_devices(mesh))  # steps build on this; cfg is what the run saves
+    spec = fmodel.model_spec(placed.model, placed.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
     start = None
@@ -161,7 +163,7 @@ def _run(
         log.info("resumed from %s at step %d", ckpt_dir, start)
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         rundir.trim_metrics(run_dir, start or 0)
-    step_fn = AdaptiveStep(cfg, optimizer, mesh, shardings)
+    step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
     ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
@@ -172,7 +174,7 @@ def _run(
         tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
     )
     logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
-    evaluator = Evaluator.for_training(cfg, spec, mesh, shardings, eval_data)  # [eval] None: no eval
+    evaluator = Evaluator.for_training(placed, spec, mesh, shardings, eval_data)  # [eval] None: no eval
     profiler = StepProfiler(cfg.train.profile_steps, run_dir)  # [profile]
     xla_flags.check_scheduler(cfg.parallel.xla_scheduler, jax.default_backend())  # warns if not in effect
     losses: dict[int, float] = {}

@@ -28,8 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from xmoe_jax import distributed
 from xmoe_jax.config import ConfigError
+from xmoe_jax.launch import distributed
 
 log = logging.getLogger("xmoe_jax")
 

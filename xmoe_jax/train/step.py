@@ -32,13 +32,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from xmoe_jax import sharding
 from xmoe_jax.config import Config
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.moe.router import update_router_bias
-from xmoe_jax.moe.stats import MoEStats
+from xmoe_jax.moe.stats import MoEStats, merge_micro
 from xmoe_jax.train.state import TrainState
-
-# statistics of micro-batches: summed (counts), averaged (rates, losses) or the max (buffer peaks)
-_MEAN_STATS = ("drop_rate", "aux_loss", "z_loss")
-_MAX_STATS = ("peak_rows", "buffer_rows", "peak_ratio")
 
 
 def update_router_biases(bias: dict, stats: dict[str, MoEStats], rate: float) -> dict:
@@ -69,22 +66,6 @@ def _all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
-def _combine_micro(stats_N: MoEStats) -> MoEStats:
-    """Statistics of N micro-batches ([N, L, ...] leaves) as those of the whole step."""
-    return MoEStats(
-        *(
-            None
-            if v is None
-            else v.mean(0)
-            if name in _MEAN_STATS
-            else v.max(0)
-            if name in _MAX_STATS
-            else v.sum(0)
-            for name, v in zip(MoEStats._fields, stats_N, strict=True)
-        )
-    )
-
-
 def _micro_batches(batch: dict, num_micro: int) -> dict:
     """[B, S] -> [N, B/N, S]; micro-batch m takes rows m, m+N, ... (an equal share of every shard)."""
     return jax.tree.map(
@@ -108,7 +89,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
 
     data_sh = batch_sharding(mesh, cfg)
     dropless_exchange = (
-        moe is not None and moe.capacity_factor is None and spec.parallel.dispatch in ("pft", "rbd")
+        moe is not None and moe.capacity_factor is None and exchanges_tokens(spec.parallel.dispatch)
     )
     micro = cfg.train.micro_batch_size
     num_micro = cfg.train.batch_size // micro if micro else 1
@@ -141,7 +122,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
             one, zeros, _micro_batches(batch, num_micro)
         )
         grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads, params)
-        stats = {k: _combine_micro(v) for k, v in stats_N.items()}
+        stats = {k: merge_micro(v) for k, v in stats_N.items()}
         return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), mtp_N.mean(), stats)), grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:

@@ -10,23 +10,23 @@ Resolution, per setting, first that applies:
   2. environment: XMOE_COORDINATOR (host:port), XMOE_NUM_PROCESSES, XMOE_PROCESS_ID,
      XMOE_LOCAL_DEVICE_IDS ("0,1");
   3. SLURM, inside an `srun` step: coordinator, process count and id and this task's devices
-     as `xmoe_jax.slurm` reads them from the step's variables (its docstring has the rules,
+     as `xmoe_jax.launch.slurm` reads them from the step's variables (its docstring has the rules,
      including the device choice that JAX's own SLURM detection gets wrong);
   4. otherwise one process: nothing to do.
 
 Failures end with one message naming the coordinator and the fix, never a hang: a process
 other than 0 first waits (TCP) for the coordinator until `timeout_s`, and a watchdog ends a
 process whose `jax.distributed.initialize` is still waiting at the deadline (JAX itself would
-abort with "another task died"). Errors are `DistributedError` (from `xmoe_jax.slurm`,
+abort with "another task died"). Errors are `DistributedError` (from `xmoe_jax.launch.slurm`,
 re-exported here).
 
 After start-up: `share_from_main` and `gather_errors` agree on host-level decisions through
 the coordination service's key-value store (no devices, nothing compiled); `shutdown()` leaves
 in order (every process at JAX's shutdown barrier, then process 0 stops the service), so a
-finished run prints no coordination errors. `xmoe_jax.peers` watches for processes that die;
+finished run prints no coordination errors. `xmoe_jax.launch.peers` watches for processes that die;
 JAX's own heartbeat timeout is set above its `peer_timeout_s` so that its message comes first.
 
-Dry runs: `python -m xmoe_jax.distributed` prints this process's plan (run it under srun to see
+Dry runs: `python -m xmoe_jax.launch.distributed` prints this process's plan (run it under srun to see
 every task's); `scripts/launch_plan.py --nodelist ... --tasks-per-node ...` models an srun launch.
 """
 
@@ -43,13 +43,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from xmoe_jax import slurm
-from xmoe_jax.slurm import DistributedError, parse_int  # DistributedError: re-exported
+from xmoe_jax.launch import slurm
+from xmoe_jax.launch.slurm import DistributedError, parse_int  # DistributedError: re-exported
 
 log = logging.getLogger("xmoe_jax")
 
 DEFAULT_TIMEOUT_S = 300  # JAX's default initialization_timeout
-DEFAULT_PEER_TIMEOUT_S = 60  # a silent peer is declared dead after this long (xmoe_jax.peers)
+DEFAULT_PEER_TIMEOUT_S = 60  # a silent peer is declared dead after this long (xmoe_jax.launch.peers)
 JAX_HEARTBEAT_TIMEOUT_S = 100  # JAX's default
 SYNC_TIMEOUT_S = 600  # host-level agreement (gather_errors, share_from_main)
 WATCHDOG_EXIT_CODE = 2
@@ -73,7 +73,7 @@ class LaunchPlan:
     devices: str  # how the local devices were chosen, in words
     init_timeout_s: int
     slurm: dict | None = None  # job, node, node_id, num_nodes, tasks_per_node, local_id
-    peer_timeout_s: int = DEFAULT_PEER_TIMEOUT_S  # xmoe_jax.peers: a silent peer is dead after this
+    peer_timeout_s: int = DEFAULT_PEER_TIMEOUT_S  # xmoe_jax.launch.peers: a silent peer is dead after this
 
     @property
     def is_multi_process(self) -> bool:
@@ -257,7 +257,7 @@ def initialize(
         return p
     if xla_bridge.backends_are_initialized():
         raise DistributedError(
-            "a JAX backend was initialised before xmoe_jax.distributed.initialize(); call it first, "
+            "a JAX backend was initialised before xmoe_jax.launch.distributed.initialize(); call it first, "
             "before anything that touches devices (jax.devices(), arrays, jit)"
         )
     if jax.config.jax_cpu_collectives_implementation in (None, "none"):
@@ -282,7 +282,7 @@ def initialize(
                 local_device_ids=list(p.local_device_ids) if p.local_device_ids is not None else None,
                 cluster_detection_method="deactivate",  # everything is explicit; see module docstring
                 initialization_timeout=remaining + 30,  # the watchdog speaks first
-                # xmoe_jax.peers names a dead peer first; JAX's heartbeat is the backstop
+                # xmoe_jax.launch.peers names a dead peer first; JAX's heartbeat is the backstop
                 heartbeat_timeout_seconds=max(JAX_HEARTBEAT_TIMEOUT_S, 2 * p.peer_timeout_s),
             )
     except Exception as e:  # JaxRuntimeError (e.g. "Failed to start RPC server") and friends
@@ -394,5 +394,5 @@ def format_plan(plans: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # `srun python -m xmoe_jax.distributed`: each task prints its plan
+if __name__ == "__main__":  # `srun python -m xmoe_jax.launch.distributed`: each task prints its plan
     print(format_plan([plan()]))

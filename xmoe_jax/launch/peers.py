@@ -32,7 +32,7 @@ import threading
 import time
 from typing import NoReturn
 
-from xmoe_jax import distributed
+from xmoe_jax.launch import distributed
 
 PEER_EXIT_CODE = 1
 _STATES = "xmoe/peers/state/"

@@ -28,7 +28,7 @@ GPU scheduler presets (`parallel.xla_scheduler`, or XMOE_XLA_SCHEDULER for scrip
                   aborts on unknown flags (jax 0.10.2 does on that one), so they are not set.
 The CLI reads the config before JAX starts and passes `parallel.xla_scheduler` here.
 
-The transport choice (`transport_for`, called by `moe.exchange.resolve_transport`) reads
+The transport check (`transport_for`, called once at start-up by xmoe_jax/resolve.py) reads
 the flags the running backend started with (`effective_flags`), never what XLA_FLAGS says
 now: if the wanted preset did not take effect, `auto` picks `emulated` (the same dense
 all-to-all the decomposer would run) and an explicit `ragged` stays, each with one warning.
@@ -56,7 +56,7 @@ SCHEDULER_PRESETS: dict[str, dict[str, str]] = {
 }
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 _FIX = (
-    "call xmoe_jax.xla_flags.apply_defaults() before anything starts JAX's backend (before "
+    "call xmoe_jax.launch.xla_flags.apply_defaults() before anything starts JAX's backend (before "
     "jax.devices(), arrays or jit), or export XLA_FLAGS='{flags}' before starting Python"
 )
 

@@ -1,6 +1,6 @@
 """SLURM environment parsing: what one `srun` task's variables say about the launch.
 
-Pure functions of an environment mapping; nothing here touches JAX. `xmoe_jax.distributed`
+Pure functions of an environment mapping; nothing here touches JAX. `xmoe_jax.launch.distributed`
 resolves the launch (flags, then XMOE_* variables, then this) and starts JAX.
 
 Inside an `srun` step (`in_slurm_step`), `from_env` gives:
@@ -21,7 +21,7 @@ which does not exist when `--gpus-per-task=1` already left one visible GPU):
     SLURM_LOCALID (one GPU/GCD each when the counts match).
 
 Errors are `DistributedError`, defined here (the lowest layer of the launch code, so the parser
-and `xmoe_jax.distributed` raise the same class) and re-exported by `xmoe_jax.distributed`.
+and `xmoe_jax.launch.distributed` raise the same class) and re-exported by `xmoe_jax.launch.distributed`.
 """
 
 from __future__ import annotations

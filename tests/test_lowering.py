@@ -1,0 +1,107 @@
+"""The train step lowers for ROCm and CUDA from this CPU host, every kernel as a kernel.
+
+A tiny pft config's jitted train step is exported (`jax.export`) for `platforms=["rocm"]` and
+`["cuda"]` with the kernel backends chosen for that platform (perf/lowering.py). Every kernel
+choice made while tracing is recorded: each grouped GEMM, permute and attention site must pick
+its GPU backend (none may fall back to XLA), and the exported module must hold the custom
+calls that backend lowers to (Triton kernels for gmm / tgmm / permute / combine and the Pallas
+flash attention on ROCm; Triton kernels and cuDNN attention on CUDA). Exports only: nothing
+compiles, ~10 s in all.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from xmoe_jax.config import load_config
+from xmoe_jax.kernels import backends
+from xmoe_jax.model import attention
+from xmoe_jax.perf.lowering import CUDNN_ATTENTION_CALLS, export_train_step, kernel_calls
+
+# one dense layer then 2 MoE layers in one scanned stack; sequence 128 = the flash block
+OVERRIDES = [
+    "parallel.dispatch=pft",
+    "mesh.data=1",
+    "train.batch_size=8",
+    "train.seq_len=128",
+    "model.dtype=bfloat16",  # cuDNN flash attention takes bf16/fp16 only
+]
+# devices (all on the expert axis): ROCm's 8 exchange tokens (one expert per device); cuDNN
+# attention exports only unpartitioned (perf/lowering.py), so CUDA's step runs on one
+NUM_DEVICES = {"rocm": 8, "cuda": 1}
+# Triton kernels by name: the expert GEMMs and their gradients, permute / combine and their VJPs
+MOE_KERNELS = {"xmoe_gmm", "xmoe_tgmm", "xmoe_scatter_rows", "xmoe_combine", "xmoe_gather_dot"}
+PALLAS_ATTENTION = {"mha_forward", "mha_backward", "mha_preprocess_backward"}
+GPU_BACKEND = {  # platform -> (kernel backend of every gmm/tgmm/permute call, attention backend)
+    "rocm": ("pallas", "pallas"),
+    "cuda": ("pallas", "cudnn"),
+}
+
+
+def _pretend_cudnn(mp: pytest.MonkeyPatch) -> None:
+    """jax's cuDNN attention asks the installed cuDNN for its version while tracing; a CPU host
+    has none, so answer with the GPU machines' (cuDNN 9.19). Skipped if jax moved the query."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    except ImportError:
+        pytest.skip("jax._src.cudnn.fused_attention_stablehlo moved: cannot trace cuDNN attention on CPU")
+    if not hasattr(cudnn_attention, "check_cudnn_version"):
+        pytest.skip("jax's cuDNN attention has no check_cudnn_version to answer on a CPU host")
+    mp.setattr(cudnn_attention, "check_cudnn_version", lambda: 91900)
+
+
+@pytest.fixture(scope="module", params=["rocm", "cuda"])
+def exported(request):
+    """(platform, kernel calls in the exported module, kernel choices made while tracing)."""
+    platform = request.param
+    choices: list[tuple[str, str]] = []
+    choose_backend, choose_attention = backends.choose_backend, attention.choose
+
+    def record_backend(implementation, call):
+        backend = choose_backend(implementation, call)
+        choices.append((call.op, backend.name))
+        return backend
+
+    def record_attention(implementation, q, k):
+        impl = choose_attention(implementation, q, k)
+        choices.append(("attention", impl))
+        return impl
+
+    with pytest.MonkeyPatch.context() as mp:
+        if platform == "cuda":
+            _pretend_cudnn(mp)
+        mp.setattr(backends, "choose_backend", record_backend)
+        mp.setattr(attention, "choose", record_attention)
+        cfg = load_config("configs/tiny.yaml", [*OVERRIDES, f"mesh.expert={NUM_DEVICES[platform]}"])
+        module = export_train_step(cfg, platform, NUM_DEVICES[platform]).mlir_module()
+    return platform, kernel_calls(module), choices
+
+
+def test_every_kernel_site_picks_its_gpu_backend(exported):
+    platform, _, choices = exported
+    kernel_backend, attention_backend = GPU_BACKEND[platform]
+    ops = collections.Counter(op for op, _ in choices)
+    assert ops["gmm"] and ops["tgmm"] and ops["permute"] and ops["attention"], ops
+    wrong = [
+        (op, name)
+        for op, name in choices
+        if name != (attention_backend if op == "attention" else kernel_backend)
+    ]
+    assert not wrong, f"{platform}: kernel sites fell back: {collections.Counter(wrong)}"
+
+
+def test_exported_module_holds_the_kernel_calls(exported):
+    platform, calls, _ = exported
+    for name in MOE_KERNELS:
+        assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
+    # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: 3 more
+    # (input gradients) and 3 weight-gradient tgmms
+    assert calls["xmoe_gmm"] == 6 and calls["xmoe_tgmm"] == 3, calls
+    if platform == "rocm":
+        assert PALLAS_ATTENTION <= set(calls), calls
+        assert not set(CUDNN_ATTENTION_CALLS) & set(calls), calls
+    else:
+        assert all(calls[name] >= 1 for name in CUDNN_ATTENTION_CALLS), calls
+        assert not PALLAS_ATTENTION & set(calls), calls

@@ -1,0 +1,67 @@
+"""xmoe_jax/resolve.py: placement settled once at start-up; dispatch modes asked, not named.
+
+No compiles: configs in, configs out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from xmoe_jax.config import ParallelConfig, load_config
+from xmoe_jax.launch import xla_flags
+from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
+from xmoe_jax.moe.exchange import resolve_transport
+from xmoe_jax.resolve import ONE_DEVICE, one_device_overrides, resolve_placement
+
+
+def _cfg(*overrides):
+    return load_config("configs/tiny.yaml", list(overrides))
+
+
+def test_auto_transport_becomes_concrete_for_the_backend():
+    assert resolve_placement(_cfg(), 1).parallel.transport == "emulated"  # CPU
+    assert resolve_placement(_cfg(), 1, backend="gpu").parallel.transport == "bucketed"
+    assert resolve_placement(_cfg("parallel.transport=ragged"), 1).parallel.transport == "ragged"
+
+
+def test_adaptive_dropless_exchange_starts_on_the_first_rung():
+    pft = _cfg("parallel.dispatch=pft")
+    assert pft.parallel.recv_buffer_factor is None
+    assert resolve_placement(pft, 8).parallel.recv_buffer_factor == 1.25
+    assert resolve_placement(pft, 1).parallel.recv_buffer_factor is None  # no exchange: no ladder
+    fixed = _cfg("parallel.dispatch=pft", "parallel.adaptive_buffers=false")
+    assert resolve_placement(fixed, 8).parallel.recv_buffer_factor is None
+    assert resolve_placement(_cfg("parallel.dispatch=dense"), 8).parallel.recv_buffer_factor is None
+
+
+def test_resolving_twice_changes_nothing_and_keeps_the_rest():
+    cfg = _cfg("parallel.dispatch=rbd", "parallel.overlap_chunks=2")
+    once = resolve_placement(cfg, 8)
+    assert resolve_placement(once, 8) == once
+    assert dataclasses.replace(once, parallel=cfg.parallel) == cfg
+
+
+def test_moe_resolves_transport_without_reading_xla_flags(monkeypatch):
+    def no_flags(*_):
+        raise AssertionError("moe/ read the XLA flags")
+
+    monkeypatch.setattr(xla_flags, "effective_flags", no_flags)
+    monkeypatch.setattr(xla_flags, "transport_for", no_flags)
+    assert resolve_transport("auto") == "emulated"
+    assert resolve_transport("auto", "gpu") == "bucketed"
+    assert resolve_transport("ragged", "gpu") == "ragged"
+
+
+def test_one_device_is_a_named_placement():
+    cfg = _cfg(*one_device_overrides(), "parallel.dispatch=pft")  # the user's overrides come after
+    assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor, cfg.mesh.expert_nodes) == (1, 1, 1, 1)
+    assert not cfg.mesh.fsdp and cfg.parallel.dispatch == "pft"
+    assert len(ONE_DEVICE) == 9
+
+
+@pytest.mark.parametrize("dispatch", sorted(DISPATCHERS))
+def test_the_dispatcher_table_says_which_modes_exchange_tokens(dispatch):
+    assert exchanges_tokens(dispatch) == (dispatch in ("pft", "rbd"))
+    assert exchanges_tokens(ParallelConfig(dispatch=dispatch).dispatch) == DISPATCHERS[dispatch].shard_map

@@ -1,0 +1,72 @@
+"""Placement settled once at start-up, before anything is traced.
+
+The trainer, the evaluator, the generator and the memory planner build their steps from
+`resolve_placement(cfg, exchange_devices)`; the config a run saves keeps what the user wrote. Steps:
+  1. `parallel.transport: auto` becomes the concrete exchange for the backend (`bucketed` on
+     GPU, `emulated` elsewhere: moe/exchange.py's rule); an explicit `ragged` whose XLA flags
+     did not take effect is named here, in one warning (xla_flags.transport_for), not while
+     tracing;
+  2. dropless pft/rbd training with adaptive buffers starts on the ladder's first rung
+     (train/buffers.py), so the planner compiles the step the trainer compiles first.
+Code outside moe/ asks the dispatcher table whether a mode exchanges tokens
+(`moe.dispatchers.exchanges_tokens`) instead of comparing dispatch names.
+
+`ONE_DEVICE` names the placement that runs a model on one device, whatever mesh it trained on
+(generation's default): a 1x1x1 mesh, no FSDP, dense dispatch, no expert sharding tricks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from xmoe_jax import sharding
+from xmoe_jax.config import Config
+from xmoe_jax.launch import xla_flags
+from xmoe_jax.moe.exchange import resolve_transport
+from xmoe_jax.train.buffers import BufferLadder, applies
+
+# dotted key -> value: one device, whatever the run's mesh and placement were
+ONE_DEVICE: dict[str, object] = {
+    "mesh.data": 1,
+    "mesh.expert": 1,
+    "mesh.tensor": 1,
+    "mesh.expert_nodes": 1,
+    "mesh.fsdp": False,
+    "parallel.dispatch": "dense",
+    "parallel.auto_shard": False,
+    "parallel.expert_tensor_parallel": False,
+    "parallel.route_groups_by_node": False,
+}
+
+
+def one_device_overrides() -> list[str]:
+    """`ONE_DEVICE` as dotted overrides (`--set` syntax), to go before the user's own."""
+    return [
+        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in ONE_DEVICE.items()
+    ]
+
+
+def exchange_devices(mesh) -> int:
+    """Devices that exchange tokens with each other: the expert axes of `mesh` (1 without one)."""
+    return sharding.axis_size(mesh, sharding.EXPERT_AXES)
+
+
+def resolve_placement(cfg: Config, num_exchange_devices: int, backend: str | None = None) -> Config:
+    """`cfg` with its placement settled for `num_exchange_devices` (`exchange_devices(mesh)`) on
+    `backend` (default: JAX's): steps 1-2 of the module docstring. The planner passes
+    backend="gpu" to plan a GPU run on CPU."""
+    if cfg.model.moe is None:
+        return cfg
+    backend = backend or jax.default_backend()
+    parallel = cfg.parallel
+    transport = resolve_transport(parallel.transport, backend)
+    # ragged: one warning if this process's XLA flags did not take effect (a concrete choice passes)
+    xla_flags.transport_for(transport, jax.default_backend())
+    parallel = dataclasses.replace(parallel, transport=transport)
+    ladder = BufferLadder(parallel, applies(cfg, num_exchange_devices))
+    if ladder.active:
+        parallel = ladder.parallel  # its first rung
+    return dataclasses.replace(cfg, parallel=parallel)
