@@ -1,6 +1,6 @@
 """Evaluation and watching a run, on one short training run with a real BPE tokenizer.
 
-The run: Tiny Shakespeare (../shared/data; without it, documents made here), split into
+The run: Tiny Shakespeare (the repository's data/tinyshakespeare.txt), split into
 documents, a byte-level BPE tokenizer trained by `tokenizers` in the test, 5% held out, eval every
 20 steps, a profile of steps 5-6. Checked: eval loss falls; eval is logged to metrics.jsonl and
 the terminal; neither the train step nor the eval step compiles twice; `xmoe-eval` on the saved
@@ -19,7 +19,7 @@ import struct
 
 import jax
 import pytest
-from data_helpers import SHARED_TEXT, documents, train_bpe, write_jsonl
+from data_helpers import SHARED_TEXT, train_bpe, write_jsonl
 
 from xmoe_jax.cli import eval_main, plot_main
 from xmoe_jax.config import ConfigError, load_config
@@ -32,9 +32,7 @@ STEPS, EVERY = 60, 20
 
 
 def _corpus_documents() -> list[str]:
-    if SHARED_TEXT.is_file():  # speeches, split on blank lines
-        return [p for p in SHARED_TEXT.read_text().split("\n\n") if p.strip()]
-    return documents(3000)
+    return [p for p in SHARED_TEXT.read_text().split("\n\n") if p.strip()]  # speeches
 
 
 class _CompileLog(logging.Handler):

@@ -14,7 +14,7 @@ import shlex
 import jax
 import numpy as np
 import pytest
-from data_helpers import SHARED_TEXT, documents
+from data_helpers import SHARED_TEXT
 
 from xmoe_jax import sharding
 from xmoe_jax.cli import convert_main, generate_main, train_main
@@ -286,10 +286,7 @@ def test_readme_hf_and_generation_commands_run(tmp_path, monkeypatch, capsys) ->
     _run(MODELS["qwen3_moe"], tmp_path / "seed")
     export_checkpoint(tmp_path / "seed", tmp_path / "path/to/Qwen3-30B-A3B")  # stands in for a download
     monkeypatch.chdir(tmp_path)
-    text = SHARED_TEXT  # the shipped config's corpus; a clone without ../shared gets documents made here
-    if not text.exists():
-        text = tmp_path / "text.txt"
-        text.write_text("\n\n".join(documents(200)))
+    text = SHARED_TEXT  # the shipped config's corpus (data/), by absolute path from tmp_path
     commands = _readme_commands("Checkpoints from and to HuggingFace") + _readme_commands("Generation")
     assert [c.split()[0] for c in commands].count("xmoe-convert") == 2
     for command in commands:
