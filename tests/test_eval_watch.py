@@ -119,6 +119,16 @@ def test_xmoe_eval_reproduces_the_in_run_eval(run, capsys) -> None:
     assert (run["run_dir"] / "metrics.jsonl").read_text() == before  # xmoe-eval writes nothing
 
 
+def test_xmoe_eval_on_other_data_uses_the_runs_tokenizer(run, capsys) -> None:
+    """`--set eval.data.path=...` alone on a run that held out data (before: "alternatives; set one
+    of them"), tokenized with the run's copy of its tokenizer (before: as bytes, loss about 10)."""
+    assert (run["run_dir"] / "tokenizer" / "tokenizer.json").is_file()
+    valid = write_jsonl(run["root"] / "valid.jsonl", _corpus_documents()[-100:])
+    assert eval_main(["--run-dir", str(run["run_dir"]), "--set", f"eval.data.path={valid}"]) == 0
+    loss = float(capsys.readouterr().out.split("eval loss ")[1].split(",")[0])
+    assert loss < run["result"].evals[-1]["eval_loss"] + 1.0, loss
+
+
 def test_xmoe_eval_needs_eval_data(run, tmp_path) -> None:
     with pytest.raises(ConfigError, match="holds no config.yaml"):
         evaluate_checkpoint(tmp_path)
