@@ -27,6 +27,7 @@ from xmoe_jax.config import (
     TrainConfig,
     load_config,
 )
+from xmoe_jax.data import load_tokenizer
 from xmoe_jax.hf import ADAPTERS, ConversionError
 from xmoe_jax.hf import safetensors_io as st
 from xmoe_jax.hf.convert import choose_adapter, export_checkpoint, import_checkpoint, import_config
@@ -141,6 +142,11 @@ def test_sharded_files_and_fused_experts_import_alike(tmp_path) -> None:
     _run(MODELS["qwen3_moe"], tmp_path / "run")
     files = export_checkpoint(tmp_path / "run", tmp_path / "hf", max_shard_bytes=20_000)
     assert len(files) > 1 and (tmp_path / "hf" / st.INDEX).is_file()
+    # the run's tokenizer (bytes) goes along as an equivalent byte-level tokenizer.json
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(files)
+    exported, text = load_tokenizer(str(tmp_path / "hf")), ["ROMEO: héllo\n\tx"]
+    assert exported.encode_batch(text) == load_tokenizer("bytes").encode_batch(text)
+    assert exported.eos_id == 0 and exported.decode(exported.encode_batch(text)[0]) == text[0]
     # the same tensors with each layer's experts fused, as recent transformers keeps them in memory
     reader, fused = st.Reader(tmp_path / "hf"), {}
     for key in sorted(reader.keys()):
@@ -262,8 +268,14 @@ def test_dense_first_layers_map_to_num_dense_layers(tmp_path) -> None:
 
 def test_export_of_an_unrepresentable_model_names_each_reason() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")  # ungated shared expert, dense layer, no q/k norm
-    with pytest.raises(ConversionError, match=r"mixtral: .*shared.*qwen2_moe: .*gated.*olmoe"):
+    with pytest.raises(
+        ConversionError, match=r"nearest.*qwen2_moe: .*gated.* mixtral: .*dense layers"
+    ) as err:
         choose_adapter(cfg)
+    assert len(str(err.value)) < 400 and "configs/tiny_hf.yaml" in str(err.value)  # was 783 characters
+    with pytest.raises(ConversionError, match=r"--arch olmoe cannot hold this model: .*full-width"):
+        choose_adapter(cfg, "olmoe")
+    assert choose_adapter(load_config(REPO / "configs" / "tiny_hf.yaml")).model_type == "qwen2_moe"
     sigmoid = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, score_func="sigmoid"))
     with pytest.raises(ConversionError, match="softmax"):
         choose_adapter(dataclasses.replace(cfg, model=sigmoid), "qwen3_moe")

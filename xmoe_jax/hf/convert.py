@@ -12,7 +12,7 @@ Export (`export_checkpoint`):
      represent the model, else an error with each adapter's reason);
   2. restore the weights onto the run's mesh (or one given by overrides);
   3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
-     a time into (sharded) safetensors, and config.json.
+     a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from xmoe_jax.hf.mapping import (
     nest,
 )
 from xmoe_jax.hf.safetensors_io import DEFAULT_SHARD_BYTES, Reader, write_sharded
+from xmoe_jax.hf.tokenizer import export_tokenizer
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
 
@@ -65,8 +66,14 @@ def choose_adapter(cfg: Config, arch: str | None = None) -> Adapter:
     for a in candidates:
         if reasons[a.model_type] is None:
             return a
-    detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
-    raise ConversionError(f"the model cannot be written as a HuggingFace architecture here ({detail})")
+    if arch:
+        raise ConversionError(f"--arch {arch} cannot hold this model: {reasons[arch]}")
+    nearest = sorted(reasons, key=lambda name: reasons[name].count(";"))[:2]
+    detail = " ".join(f"{name}: {reasons[name]}." for name in nearest)
+    raise ConversionError(
+        f"no HuggingFace architecture holds this model; the nearest, and what it lacks: {detail} Train a config that exports "
+        "(configs/tiny_hf.yaml: Qwen2-MoE-shaped), or pass --arch NAME for that architecture's reasons"
+    )
 
 
 def import_config(
@@ -154,7 +161,8 @@ def export_checkpoint(
     overrides: list[str] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> list[str]:
-    """Steps 1-3 of the module docstring; returns the safetensors file names written."""
+    """Steps 1-3 of the module docstring; returns the names of the files written besides config.json
+    (safetensors, index, tokenizer)."""
     import ml_dtypes
 
     cfg, step = read_run_config(run_dir, step, overrides)
@@ -173,4 +181,4 @@ def export_checkpoint(
         files = write_sharded(tensors, out_dir, max_shard_bytes)
     config = hf_config(cfg, adapter, run_dir, dtype)
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return files
+    return files + export_tokenizer(Path(run_dir), cfg.data.tokenizer, Path(out_dir))
