@@ -1,4 +1,5 @@
-"""HuggingFace conversion without torch: refusals, round trips, placement, the README's commands.
+"""HuggingFace conversion without torch: refusals, round trips, placement (the README's commands:
+tests/test_readme_walkthrough.py).
 
 The checks against `transformers` itself are in test_hf.py (skipped without the `hf` extra).
 """
@@ -9,15 +10,12 @@ import dataclasses
 import json
 import pathlib
 import re
-import shlex
 
 import jax
 import numpy as np
 import pytest
-from data_helpers import SHARED_TEXT
 
 from xmoe_jax import sharding
-from xmoe_jax.cli import convert_main, generate_main, train_main
 from xmoe_jax.config import (
     Config,
     MLAConfig,
@@ -279,32 +277,3 @@ def test_export_of_an_unrepresentable_model_names_each_reason() -> None:
     sigmoid = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, score_func="sigmoid"))
     with pytest.raises(ConversionError, match="softmax"):
         choose_adapter(dataclasses.replace(cfg, model=sigmoid), "qwen3_moe")
-
-
-def _readme_commands(section: str) -> list[str]:
-    text = (REPO / "README.md").read_text()
-    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", body, re.S)
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
-
-
-ENTRY = {"xmoe-convert": convert_main, "xmoe-train": train_main, "xmoe-generate": generate_main}
-
-
-@pytest.mark.slow  # ~30 s: the README's commands end to end
-def test_readme_hf_and_generation_commands_run(tmp_path, monkeypatch, capsys) -> None:
-    """Every command of the README's HuggingFace and Generation sections, in order, on a tiny model
-    (paths under tmp_path; training kept to two steps)."""
-    _run(MODELS["qwen3_moe"], tmp_path / "seed")
-    export_checkpoint(tmp_path / "seed", tmp_path / "path/to/Qwen3-30B-A3B")  # stands in for a download
-    monkeypatch.chdir(tmp_path)
-    text = SHARED_TEXT  # the shipped config's corpus (data/), by absolute path from tmp_path
-    commands = _readme_commands("Checkpoints from and to HuggingFace") + _readme_commands("Generation")
-    assert [c.split()[0] for c in commands].count("xmoe-convert") == 2
-    for command in commands:
-        argv = [str(REPO / a) if a.startswith("configs/") else a for a in shlex.split(command)]
-        if argv[0] == "xmoe-train":  # two steps; the shipped text config's data path from here
-            argv += ["--set", "train.steps=2", "--set", "train.log_every=1", "--set", f"data.path={text}"]
-        assert ENTRY[argv[0]](argv[1:]) == 0, command
-    out = capsys.readouterr().out
-    assert "exported" in out and out.count("=== ") >= 3

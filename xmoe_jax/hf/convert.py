@@ -5,8 +5,9 @@ Import (`import_checkpoint`):
      what we do not implement) and apply the user's dotted overrides (mesh, train, data, ...);
   2. check the tensors: every one the model needs is there, none is left over;
   3. build each parameter on the mesh from the tensors each device's shard covers;
-  4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state) and the source
-     config.json as hf_config.json (export starts from it: token ids and the like survive).
+  4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state), the source
+     config.json as hf_config.json (export starts from it: token ids and the like survive) and
+     the directory's tokenizer, if it has one, as the run's (`<run_dir>/tokenizer/`).
 Export (`export_checkpoint`):
   1. read the run's config at `step`, pick the adapter (`arch`, else the first that can
      represent the model, else an error with each adapter's reason);
@@ -25,6 +26,7 @@ import jax
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, from_dict, override_dict, to_dict
+from xmoe_jax.data import provenance
 from xmoe_jax.hf import ADAPTERS, Adapter
 from xmoe_jax.hf.adapter import IGNORED_TENSORS
 from xmoe_jax.hf.mapping import (
@@ -139,6 +141,8 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[s
         weights = load_hf_weights(hf_dir, cfg, mesh)
         save_initial(cfg, weights, mesh)
     shutil.copyfile(Path(hf_dir) / "config.json", Path(out_dir) / HF_CONFIG)
+    if any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        provenance.copy_tokenizer(str(hf_dir), Path(out_dir) / provenance.COPY_DIR)  # for the tools
     return cfg
 
 
