@@ -18,6 +18,7 @@ Export (`export_checkpoint`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -135,14 +136,18 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[s
     """Steps 1-4 of the module docstring; returns the Config written to out_dir/config.yaml."""
     hf = read_hf_config(hf_dir)
     cfg = import_config(hf, out_dir, overrides, Reader(hf_dir).keys())
+    has_tokenizer = any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    if has_tokenizer and cfg.data.tokenizer == provenance.AUTO:  # the run's tokenizer: its copy
+        tokenizer = str(Path(out_dir) / provenance.COPY_DIR)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         weights = load_hf_weights(hf_dir, cfg, mesh)
         save_initial(cfg, weights, mesh)
     shutil.copyfile(Path(hf_dir) / "config.json", Path(out_dir) / HF_CONFIG)
-    if any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        provenance.copy_tokenizer(str(hf_dir), Path(out_dir) / provenance.COPY_DIR)  # for the tools
+    if has_tokenizer:
+        provenance.copy_tokenizer(str(hf_dir), Path(out_dir) / provenance.COPY_DIR)
     return cfg
 
 
