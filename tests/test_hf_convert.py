@@ -163,8 +163,10 @@ def test_sharded_files_and_fused_experts_import_alike(tmp_path) -> None:
     (tmp_path / "fused").mkdir()
     st.write_sharded(fused.items(), tmp_path / "fused")
     (tmp_path / "fused" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-    import_checkpoint(tmp_path / "hf", tmp_path / "a")
-    import_checkpoint(tmp_path / "fused", tmp_path / "b")
+    imported = import_checkpoint(tmp_path / "hf", tmp_path / "a")  # with the export's tokenizer
+    assert imported.data.tokenizer == str(tmp_path / "a" / "tokenizer")
+    assert (tmp_path / "a" / "tokenizer" / "tokenizer.json").is_file()
+    assert import_checkpoint(tmp_path / "fused", tmp_path / "b").data.tokenizer == "auto"  # none there
     _assert_bitwise(_weights(tmp_path / "a"), _weights(tmp_path / "b"))
 
 
