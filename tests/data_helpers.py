@@ -15,7 +15,8 @@ import pathlib
 import numpy as np
 
 WORDS = "the a king queen fool speaks loves fears crown night day sword song river old young wise".split()
-SHARED_TEXT = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+# the text shipped in the repository (data/README.md): every test that reads text can rely on it
+SHARED_TEXT = pathlib.Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 
 
 def documents(num: int, seed: int = 0) -> list[str]:

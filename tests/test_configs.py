@@ -29,6 +29,7 @@ def test_configs_are_shipped() -> None:
     expected = {
         "tiny",
         "tiny_text",
+        "tiny_hf",
         "small",
         "medium",
         "large",

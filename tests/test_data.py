@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from data_helpers import SHARED_TEXT
 
 from xmoe_jax.config import ConfigError, DataConfig
 from xmoe_jax.data import SYNTHETIC_STRIDES, make_input
@@ -17,13 +17,7 @@ SEQ, BATCH, VOCAB = 16, 4, 256
 
 
 def _corpus() -> pathlib.Path:
-    candidates = [pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"]
-    if os.environ.get("XMOE_TEST_TEXT"):
-        candidates.append(pathlib.Path(os.environ["XMOE_TEST_TEXT"]))
-    for path in candidates:
-        if path.is_file():
-            return path
-    pytest.skip("no text corpus: shared/data/tinyshakespeare.txt missing and XMOE_TEST_TEXT unset")
+    return SHARED_TEXT  # shipped in the repository (data/README.md)
 
 
 @pytest.fixture

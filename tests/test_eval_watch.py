@@ -1,6 +1,6 @@
 """Evaluation and watching a run, on one short training run with a real BPE tokenizer.
 
-The run: Tiny Shakespeare (../shared/data; without it, documents made here), split into
+The run: Tiny Shakespeare (the repository's data/tinyshakespeare.txt), split into
 documents, a byte-level BPE tokenizer trained by `tokenizers` in the test, 5% held out, eval every
 20 steps, a profile of steps 5-6. Checked: eval loss falls; eval is logged to metrics.jsonl and
 the terminal; neither the train step nor the eval step compiles twice; `xmoe-eval` on the saved
@@ -19,7 +19,7 @@ import struct
 
 import jax
 import pytest
-from data_helpers import SHARED_TEXT, documents, train_bpe, write_jsonl
+from data_helpers import SHARED_TEXT, train_bpe, write_jsonl
 
 from xmoe_jax.cli import eval_main, plot_main
 from xmoe_jax.config import ConfigError, load_config
@@ -32,9 +32,7 @@ STEPS, EVERY = 60, 20
 
 
 def _corpus_documents() -> list[str]:
-    if SHARED_TEXT.is_file():  # speeches, split on blank lines
-        return [p for p in SHARED_TEXT.read_text().split("\n\n") if p.strip()]
-    return documents(3000)
+    return [p for p in SHARED_TEXT.read_text().split("\n\n") if p.strip()]  # speeches
 
 
 class _CompileLog(logging.Handler):
@@ -119,6 +117,16 @@ def test_xmoe_eval_reproduces_the_in_run_eval(run, capsys) -> None:
     assert eval_main(["--run-dir", str(run["run_dir"]), "--step", "7"]) == 2
     assert "no checkpoint for step 7" in capsys.readouterr().err
     assert (run["run_dir"] / "metrics.jsonl").read_text() == before  # xmoe-eval writes nothing
+
+
+def test_xmoe_eval_on_other_data_uses_the_runs_tokenizer(run, capsys) -> None:
+    """`--set eval.data.path=...` alone on a run that held out data (before: "alternatives; set one
+    of them"), tokenized with the run's copy of its tokenizer (before: as bytes, loss about 10)."""
+    assert (run["run_dir"] / "tokenizer" / "tokenizer.json").is_file()
+    valid = write_jsonl(run["root"] / "valid.jsonl", _corpus_documents()[-100:])
+    assert eval_main(["--run-dir", str(run["run_dir"]), "--set", f"eval.data.path={valid}"]) == 0
+    loss = float(capsys.readouterr().out.split("eval loss ")[1].split(",")[0])
+    assert loss < run["result"].evals[-1]["eval_loss"] + 1.0, loss
 
 
 def test_xmoe_eval_needs_eval_data(run, tmp_path) -> None:

@@ -202,3 +202,29 @@ def test_deepseek_v3_mtp_module_matches_transformers_mtp_model(tmp_path) -> None
     module = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
     out, _ = module(h_ours, jax.numpy.take(params["embed"], following, axis=0))
     assert rel_err(ours.logits(out), want.numpy()) < 1e-5
+
+
+def test_exported_tokenizers_load_in_transformers(tmp_path) -> None:
+    """Export writes the run's tokenizer so `AutoTokenizer.from_pretrained` gives the ids the model
+    was trained on: `bytes` as a byte-level tokenizer.json, a tokenizers JSON with its eos named."""
+    from data_helpers import documents, train_bpe
+
+    from xmoe_jax.data import load_tokenizer
+    from xmoe_jax.hf.tokenizer import export_tokenizer
+
+    text = "ROMEO: héllo\n\tthe king"
+    (tmp_path / "bytes").mkdir()
+    assert export_tokenizer(tmp_path / "run", "bytes", tmp_path / "bytes") == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bytes"))
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode()) and tok.eos_token_id == 0
+    assert tok.decode(list(text.encode())) == text
+    bpe = train_bpe(documents(300), tmp_path / "bpe.json", vocab_size=300)
+    (tmp_path / "bpe").mkdir()
+    export_tokenizer(tmp_path / "run", str(bpe), tmp_path / "bpe")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
+    ours = load_tokenizer(str(bpe))
+    assert tok(text, add_special_tokens=False)["input_ids"] == ours.encode_batch([text])[0]
+    assert tok.eos_token_id == ours.eos_id

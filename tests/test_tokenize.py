@@ -40,7 +40,9 @@ def _args(root, out: str) -> list[str]:
 
 
 def _shard_bytes(directory) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.name != "manifest.json"}
+    """Every file but the manifest, the tokenizer's copy included."""
+    files = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "manifest.json"]
+    return {str(p.relative_to(directory)): p.read_bytes() for p in files}
 
 
 def test_shards_summary_and_training_input(inputs, capsys) -> None:

@@ -16,7 +16,7 @@ from xmoe_jax.train.loop import TrainingError, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
-TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = REPO / "data" / "tinyshakespeare.txt"  # shipped (data/README.md)
 
 
 def tiny(run_dir, *overrides):
@@ -179,7 +179,6 @@ def test_params_cli_prints_table(capsys):
     assert "paper units" in out and "10.06" in out
 
 
-@pytest.mark.skipif(not TEXT.exists(), reason=f"corpus {TEXT} not present (shared/ beside the repo)")
 def test_loss_falls_on_text_with_metrics_file(tmp_path):
     run = tmp_path / "text"
     cfg = tiny(

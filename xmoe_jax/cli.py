@@ -326,7 +326,12 @@ def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
     p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument("--prompt", action="append", default=[], help="a text prompt, byte-level (repeatable)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a text prompt, encoded with the run's tokenizer (repeatable)",
+    )
     p.add_argument(
         "--prompt-ids", action="append", default=[], help='a prompt as token ids, "1 2 3" (repeatable)'
     )
@@ -345,13 +350,15 @@ def generate_main(argv: list[str] | None = None) -> int:
 
     apply_defaults()
     _quiet_logging()
-    from xmoe_jax.data import load_tokenizer
+    from xmoe_jax.data import load_tokenizer, provenance
     from xmoe_jax.generate import SamplingConfig, generate_from_run
     from xmoe_jax.train.checkpoint import CheckpointError
 
     try:
-        run_cfg = pathlib.Path(args.run_dir) / "config.yaml"
-        tokenizer = load_tokenizer(load_config(run_cfg if run_cfg.is_file() else None).data.tokenizer)
+        run_dir = pathlib.Path(args.run_dir)
+        run_cfg = run_dir / "config.yaml"
+        cfg = load_config(run_cfg if run_cfg.is_file() else None, args.overrides)
+        tokenizer = load_tokenizer(provenance.for_tools(run_dir, cfg, args.overrides).data.tokenizer)
         prompts = tokenizer.encode_batch(args.prompt) + [[int(i) for i in s.split()] for s in args.prompt_ids]
         if not prompts:
             raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")

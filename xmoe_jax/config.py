@@ -631,20 +631,24 @@ class SourceConfig:
 class DataConfig:
     """Training input: one source (`source`, `path`, ...) or a weighted `mixture` of sources,
     tokenized with `tokenizer` (`bytes`, a tokenizer.json, a transformers tokenizer directory or a
-    sentencepiece .model) and packed into windows of seq_len + 1 tokens."""
+    sentencepiece .model) and packed into windows of seq_len + 1 tokens. `auto` (the default) is the
+    tokenizer xmoe-tokenize recorded with pre-tokenized data, else `bytes`
+    (`xmoe_jax/data/provenance.py` resolves it before training)."""
 
     source: DataSource = "auto"
     path: str | None = None
     text_field: str = "text"
     split: str = "train"
     mixture: tuple[SourceConfig, ...] = ()
-    tokenizer: str = "bytes"
+    tokenizer: str = "auto"
     seed: int = 0
     shuffle: bool = True
 
     def __post_init__(self) -> None:
         _check_choices(self, "data.")
-        _check(bool(self.tokenizer), "data.tokenizer must be 'bytes' or a tokenizer file or directory")
+        _check(
+            bool(self.tokenizer), "data.tokenizer must be 'auto', 'bytes' or a tokenizer file or directory"
+        )
         if self.mixture:
             _check(
                 self.source == "auto" and self.path is None,
@@ -668,7 +672,9 @@ class DataConfig:
     def byte_level(self) -> bool:
         """Text is read as bytes (256 ids): the model needs vocab_size >= 256. Sources whose kind
         is detected from the path (`auto`) are checked when they are opened."""
-        return self.tokenizer == "bytes" and any(s.source in ("text", "files", "hf") for s in self.sources)
+        return self.tokenizer in ("bytes", "auto") and any(
+            s.source in ("text", "files", "hf") for s in self.sources
+        )
 
 
 @dataclass(frozen=True)

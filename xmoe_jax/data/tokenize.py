@@ -9,8 +9,12 @@ interrupted job rerun with the same arguments drops the unfinished shard, skips 
 already in committed shards and goes on; the result is the same as an uninterrupted run's. The
 manifest's `complete` flag is set at the end; the trainer refuses an incomplete output.
 
+The tokenizer travels with the shards: a copy in `<output>/tokenizer/` and its fingerprint in the
+manifest (`tokenizer_sha256`), from which the trainer takes `data.tokenizer` (`provenance.py`).
+
 Steps (`tokenize_to_shards`):
-  1. list the input files (sorted), load the tokenizer, read an existing manifest (same job?);
+  1. list the input files (sorted), load the tokenizer, read an existing manifest (same job?),
+     copy the tokenizer beside the shards;
   2. read documents from the saved position, encode them in batches, append eos to each;
   3. write documents to the current shard; past `shard_tokens` commit it and record the position;
   4. commit the last shard, mark the manifest complete and return the summary.
@@ -25,7 +29,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from xmoe_jax.config import ConfigError
-from xmoe_jax.data import documents
+from xmoe_jax.data import documents, provenance
 from xmoe_jax.data.arrayrecord import FORMAT, ShardWriter, read_manifest, token_dtype, write_manifest
 from xmoe_jax.data.sources import ENCODE_BATCH, batched
 from xmoe_jax.data.tokenizer import load_tokenizer
@@ -96,12 +100,15 @@ def tokenize_to_shards(
     job = _job(files, tokenizer, text_field, shard_tokens)
     manifest = read_manifest(out)
     if manifest is None:
-        manifest = {**job, "shards": [], "complete": False}
+        sha = provenance.fingerprint(tokenizer_name)
+        manifest = {**job, "tokenizer_sha256": sha, "shards": [], "complete": False}
     elif {k: manifest.get(k) for k in job} != job:
         differs = sorted(k for k in job if manifest.get(k) != job[k])
         raise ConfigError(
             f"--output {out} holds another job (it differs in {differs}); choose a new --output"
         )
+    if not (out / provenance.COPY_DIR).is_dir():
+        provenance.copy_tokenizer(tokenizer_name, out / provenance.COPY_DIR)
     done = len(manifest["shards"])
     if not manifest["complete"]:
         for stray in out.glob("*.tmp"):

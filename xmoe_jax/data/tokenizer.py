@@ -5,7 +5,7 @@ the vocabulary size the model must cover, and the end-of-document id that packin
 every document), and each library spells them differently. Nothing here tokenizes by itself.
 
 `data.tokenizer` is one of (`load_tokenizer` decides, in this order):
-  1. `bytes`: UTF-8 bytes, ids 0..255. The end-of-document id is 0 (NUL, which text does not
+  1. `bytes` (and `auto` where nothing resolved it: `provenance.py`): UTF-8 bytes, ids 0..255. The end-of-document id is 0 (NUL, which text does not
      hold), so a byte-level model keeps vocab_size 256;
   2. a `*.json` file: a HuggingFace `tokenizers` tokenizer (tokenizer.json);
   3. a `*.model` file: a sentencepiece model;
@@ -51,7 +51,9 @@ class BytesTokenizer:
         return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        """Ids past 255 (a model with a larger vocabulary) decode as U+FFFD, like invalid bytes."""
+        out = b"".join(bytes([i]) if 0 <= i < BYTES_VOCAB else b"\xef\xbf\xbd" for i in map(int, ids))
+        return out.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -169,7 +171,7 @@ def _load(name: str, mtime_ns: int) -> Tokenizer:
 def load_tokenizer(name: str) -> Tokenizer:
     """The tokenizer `data.tokenizer` names (cached per file version); `ConfigError` if it cannot
     be found or read."""
-    if name == "bytes":
+    if name in ("bytes", "auto"):
         return BytesTokenizer()
     path = pathlib.Path(name)
     if not path.exists():

@@ -5,18 +5,20 @@ Import (`import_checkpoint`):
      what we do not implement) and apply the user's dotted overrides (mesh, train, data, ...);
   2. check the tensors: every one the model needs is there, none is left over;
   3. build each parameter on the mesh from the tensors each device's shard covers;
-  4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state) and the source
-     config.json as hf_config.json (export starts from it: token ids and the like survive).
+  4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state), the source
+     config.json as hf_config.json (export starts from it: token ids and the like survive) and
+     the directory's tokenizer, if it has one, as the run's (`<run_dir>/tokenizer/`).
 Export (`export_checkpoint`):
   1. read the run's config at `step`, pick the adapter (`arch`, else the first that can
      represent the model, else an error with each adapter's reason);
   2. restore the weights onto the run's mesh (or one given by overrides);
   3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
-     a time into (sharded) safetensors, and config.json.
+     a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -25,6 +27,7 @@ import jax
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, from_dict, override_dict, to_dict
+from xmoe_jax.data import provenance
 from xmoe_jax.hf import ADAPTERS, Adapter
 from xmoe_jax.hf.adapter import IGNORED_TENSORS
 from xmoe_jax.hf.mapping import (
@@ -37,6 +40,7 @@ from xmoe_jax.hf.mapping import (
     nest,
 )
 from xmoe_jax.hf.safetensors_io import DEFAULT_SHARD_BYTES, Reader, write_sharded
+from xmoe_jax.hf.tokenizer import export_tokenizer
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
 
@@ -65,8 +69,14 @@ def choose_adapter(cfg: Config, arch: str | None = None) -> Adapter:
     for a in candidates:
         if reasons[a.model_type] is None:
             return a
-    detail = "; ".join(f"{name}: {why}" for name, why in reasons.items())
-    raise ConversionError(f"the model cannot be written as a HuggingFace architecture here ({detail})")
+    if arch:
+        raise ConversionError(f"--arch {arch} cannot hold this model: {reasons[arch]}")
+    nearest = sorted(reasons, key=lambda name: reasons[name].count(";"))[:2]
+    detail = " ".join(f"{name}: {reasons[name]}." for name in nearest)
+    raise ConversionError(
+        f"no HuggingFace architecture holds this model; the nearest, and what it lacks: {detail} Train a config that exports "
+        "(configs/tiny_hf.yaml: Qwen2-MoE-shaped), or pass --arch NAME for that architecture's reasons"
+    )
 
 
 def import_config(
@@ -126,12 +136,18 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[s
     """Steps 1-4 of the module docstring; returns the Config written to out_dir/config.yaml."""
     hf = read_hf_config(hf_dir)
     cfg = import_config(hf, out_dir, overrides, Reader(hf_dir).keys())
+    has_tokenizer = any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+    if has_tokenizer and cfg.data.tokenizer == provenance.AUTO:  # the run's tokenizer: its copy
+        tokenizer = str(Path(out_dir) / provenance.COPY_DIR)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         weights = load_hf_weights(hf_dir, cfg, mesh)
         save_initial(cfg, weights, mesh)
     shutil.copyfile(Path(hf_dir) / "config.json", Path(out_dir) / HF_CONFIG)
+    if has_tokenizer:
+        provenance.copy_tokenizer(str(hf_dir), Path(out_dir) / provenance.COPY_DIR)
     return cfg
 
 
@@ -154,7 +170,8 @@ def export_checkpoint(
     overrides: list[str] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> list[str]:
-    """Steps 1-3 of the module docstring; returns the safetensors file names written."""
+    """Steps 1-3 of the module docstring; returns the names of the files written besides config.json
+    (safetensors, index, tokenizer)."""
     import ml_dtypes
 
     cfg, step = read_run_config(run_dir, step, overrides)
@@ -173,4 +190,4 @@ def export_checkpoint(
         files = write_sharded(tensors, out_dir, max_shard_bytes)
     config = hf_config(cfg, adapter, run_dir, dtype)
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return files
+    return files + export_tokenizer(Path(run_dir), cfg.data.tokenizer, Path(out_dir))

@@ -2,8 +2,10 @@
 
 Shapes: T tokens, K top-k, A = T*K routed copies (assignment a = t*K + k), E experts.
 
-Every dispatch mode that drops (padded here; PFT later) uses `expert_positions`, so
-all modes drop exactly the same copies and stay comparable with the dense oracle.
+Every dispatch mode that drops uses `expert_positions` on the tokens it sees: dense and
+padded see the whole batch, pft and rbd one source shard each (placement.py). So dense and
+padded drop the same copies, pft and rbd drop the same copies as each other, and all four agree
+when the tokens are on one shard (examples/moe_layer.py shows both cases).
 """
 
 from __future__ import annotations

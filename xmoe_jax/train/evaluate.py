@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, load_config
-from xmoe_jax.data import make_eval_input
+from xmoe_jax.data import make_eval_input, provenance
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import step as tstep
@@ -88,7 +88,8 @@ def evaluate_checkpoint(
     run_dir: str | Path, step: int | None = None, overrides: list[str] | None = None
 ) -> dict:
     """Evaluates the checkpoint at `step` (latest if None) of a run on the run's eval data
-    (its `eval:` section with `overrides` applied). Writes nothing."""
+    (its `eval:` section with `overrides` applied; an `eval.data.*` override replaces the run's
+    held-out split) with the run's tokenizer (`provenance.for_tools`). Writes nothing."""
     from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
     from xmoe_jax.train.optimizer import make_optimizer
     from xmoe_jax.train.state import abstract_state, state_shardings
@@ -99,7 +100,12 @@ def evaluate_checkpoint(
         raise ConfigError(
             f"{run_dir} holds no config.yaml; pass the run directory xmoe-train wrote (--run-dir)"
         )
-    cfg = load_config(config_file, [*(overrides or []), f"train.run_dir={run_dir}"])
+    overrides = list(overrides or [])
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    if any(k.startswith("eval.data") for k in keys) and "eval.holdout" not in keys:
+        overrides.insert(0, "eval.holdout=0")  # other data replaces the run's held-out split
+    cfg = load_config(config_file, [*overrides, f"train.run_dir={run_dir}"])
+    cfg = provenance.for_tools(run_dir, cfg, overrides)  # the run's tokenizer
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     batches = make_eval_input(cfg, process_index=jax.process_index(), process_count=jax.process_count())
     if batches is None:

@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding, xla_flags
 from xmoe_jax.config import Config, ConfigError, to_dict
-from xmoe_jax.data import make_eval_input, make_input
+from xmoe_jax.data import make_eval_input, make_input, provenance
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import layout, rundir
@@ -87,6 +87,7 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
     # -- validate everything before building or compiling anything
     num_processes, process_index = jax.process_count(), jax.process_index()
     cfg.validate_for_devices(jax.device_count(), num_processes)
+    cfg = provenance.resolve(cfg)  # data.tokenizer: the data's own, or refused if it differs
     run_dir = Path(cfg.train.run_dir)
     data_iter = make_input(
         cfg.data,
@@ -123,6 +124,7 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> Tr
     run_dir.mkdir(parents=True, exist_ok=True)
     if is_main and start is None:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    provenance.record(run_dir, cfg.data.tokenizer, write=is_main)  # <run_dir>/tokenizer: for the tools
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
