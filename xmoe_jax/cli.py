@@ -184,7 +184,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         "xmoe-plan", "Per-device memory of a config's train step on N devices (ahead-of-time compile)."
     )
     p.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
-    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 64GiB or 80GB")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 64GiB, 64G or 80GB (KB/MB/GB/TB decimal; K/M/G/T and KiB/... binary)",
+    )
     p.add_argument(
         "--real-devices", action="store_true", help="compile for this host's accelerators (count must match)"
     )
@@ -192,6 +196,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.devices < 1:
         return _fail(ConfigError(f"--devices={args.devices} must be >= 1"))
+    from xmoe_jax.units import parse_bytes
+
+    try:
+        memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    except ConfigError as err:
+        return _fail(err)
     if not args.real_devices:  # before JAX starts: N fake CPU devices, Pallas kernels (see xmoe_jax/plan.py)
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
@@ -202,11 +212,10 @@ def plan_main(argv: list[str] | None = None) -> int:
     apply_defaults()
     import jax
 
-    from xmoe_jax.plan import parse_bytes, plan
+    from xmoe_jax.plan import plan
 
     try:
         cfg = load_config(args.config, args.overrides)
-        memory = parse_bytes(args.device_memory) if args.device_memory else None
         if jax.device_count() != args.devices:
             raise ConfigError(
                 f"--devices={args.devices} but JAX has {jax.device_count()} devices "
@@ -222,6 +231,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
         with open(args.out, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
+    return 0
 
 
 def _quiet_logging() -> None:
@@ -370,16 +380,25 @@ def convert_main(argv: list[str] | None = None) -> int:
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
     exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
-    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    exp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, e.g. 5GB, 500MB or 500KB (KB/MB/GB decimal; K/M/G and KiB/... binary)",
+    )
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    from xmoe_jax.units import parse_bytes
+
+    try:  # before anything loads
+        shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size") if args.command == "export" else 0
+    except ConfigError as err:
+        return _fail(err)
     from xmoe_jax.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
     from xmoe_jax.hf.convert import ConversionError, export_checkpoint, import_checkpoint
-    from xmoe_jax.plan import parse_bytes
     from xmoe_jax.train.checkpoint import CheckpointError
 
     try:
@@ -390,7 +409,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         else:
             files = export_checkpoint(
                 args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides,
-                parse_bytes(args.max_shard_size),
+                shard_bytes,
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     except (ConversionError, ConfigError, CheckpointError, ValueError) as err:
