@@ -88,14 +88,13 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
-    """`distributed.initialize()` from the flags of `add_cli_flags`; `--no-distributed` forces one process."""
+def _launch(args: argparse.Namespace, start):
     off = args.no_distributed or os.environ.get("XMOE_DISTRIBUTED", "1").lower() in ("0", "false", "no")
     if off and (args.coordinator or args.num_processes or args.process_id is not None):
         raise distributed.DistributedError(
             "--no-distributed conflicts with --coordinator/--num-processes/--process-id"
         )
-    return distributed.initialize(
+    return start(
         args.coordinator,
         args.num_processes,
         args.process_id,
@@ -104,6 +103,16 @@ def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
         auto=not off,
         peer_timeout_s=getattr(args, "peer_timeout", None),
     )
+
+
+def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
+    """`distributed.initialize()` from the flags of `add_cli_flags`; `--no-distributed` forces one process."""
+    return _launch(args, distributed.initialize)
+
+
+def resolve_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
+    """The launch plan of those flags without starting anything (no JAX import)."""
+    return _launch(args, distributed.resolve)
 
 
 EXIT_FAILED = 1
@@ -122,22 +131,24 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
-    from xmoe_jax.xla_flags import apply_defaults
-
-    apply_defaults()  # before anything starts JAX's backend
     _quiet_logging()
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
+            _start_line(args.config, cfg)
+        from xmoe_jax.xla_flags import apply_defaults
+
+        apply_defaults()  # before anything starts JAX's backend
+        launch = initialize_from_args(args)  # before any other JAX use
+    except ConfigError as err:  # DistributedError included
+        return _fail(err)
+    distributed.quiet_unless_main(launch)
     from xmoe_jax import peers
     from xmoe_jax.train import preemption
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        launch = initialize_from_args(args)  # before any other JAX use
-    except ConfigError as err:  # DistributedError included
-        return _fail(err)
-    distributed.quiet_unless_main(launch)
     watch = peers.watch(launch)  # several processes: stop when another dies
     result, message = None, ""
     try:
@@ -164,6 +175,22 @@ def train_main(argv: list[str] | None = None) -> int:
             f"run dir {cfg.train.run_dir}"
         )
     return code
+
+
+def _start_line(config_path: str | None, cfg) -> None:
+    """The start-up summary's first line: config, run directory, parameters (the loop adds data,
+    devices and mesh, then says when it compiles)."""
+    from xmoe_jax.params import count_params
+    from xmoe_jax.units import format_count
+
+    counts = count_params(cfg.model)
+    logging.getLogger("xmoe_jax").info(
+        "config %s; run dir %s; %s parameters (%s active per token)",
+        config_path or "(built-in tiny defaults)",
+        cfg.train.run_dir,
+        format_count(counts.total),
+        format_count(counts.active),
+    )
 
 
 def params_main(argv: list[str] | None = None) -> int:
