@@ -248,7 +248,8 @@ def _run(
                     **meter.read(),
                 }
                 steps_per_s = record["tokens_per_s"] / tokens_per_step
-                eta_s = (cfg.train.steps - step) / steps_per_s if not record.get("includes_compile") else None
+                steady = steps_per_s > 0 and not record.get("includes_compile")
+                eta_s = (cfg.train.steps - step) / steps_per_s if steady else None
                 if "mtp_loss" in metrics:
                     record["mtp_loss"] = float(metrics["mtp_loss"])
                 if "tokens_per_expert" in metrics:
