@@ -277,6 +277,8 @@ def test_vmapped_stack_init_equals_the_per_layer_init() -> None:
         return weights, rngs.params.count[...]
 
     key = jax.random.key(3)
+    one = jax.eval_shape(functools.partial(init, lambda make, rngs, _: _stacked(make, rngs, 1)), key)[0]
+    assert one["attn"]["wq"].shape == (1, 16, 2, 8)
     stacked, count = jax.jit(functools.partial(init, _stacked))(key)
     looped, looped_count = jax.jit(functools.partial(init, _looped))(key)
     assert jax.tree.structure(stacked) == jax.tree.structure(looped) and int(count) == int(looped_count)

@@ -63,7 +63,11 @@ def _stacked(make, rngs: nnx.Rngs, num: int) -> nnx.Module:
     stream's key j is fold_in(key, count + j), so module i starts at count + i * draws, where
     `draws` is one module's number of keys (counted on an abstract trace). The weights therefore
     equal those of creating the modules in a Python loop; the stream ends where the loop left it.
+    One module is created as it is (a batch of one compiles slower than none).
     """
+    if num == 1:
+        graphdef, state = nnx.split(make(rngs))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[None], state))
     counter = _CountingRngs()
     graphdef = nnx.split(nnx.eval_shape(lambda: make(counter)))[0]
     stream = rngs.params
