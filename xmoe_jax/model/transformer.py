@@ -12,10 +12,12 @@ with a leading [L] axis. The forward pass runs each stack as a `jax.lax.scan` ov
 that axis, so the program (and its compile time) does not grow with depth;
 `model.unroll_layers` runs the same parameters through a Python loop instead
 (debugging; the same losses). Each block runs under the `model.remat` policy
-(xmoe_jax/remat.py). The blocks are created one after another from one RNG stream
-(embedding, dense layers, MoE layers, head: the order of the per-layer model this
-replaced; then the `mtp_layers` stack, so turning MTP on leaves the main model's initial
-weights as they were), so initial weights do not depend on the layout.
+(xmoe_jax/remat.py). The blocks draw from one RNG stream in order (embedding, dense
+layers, MoE layers, head: the order of the per-layer model this replaced; then the
+`mtp_layers` stack, so turning MTP on leaves the main model's initial weights as they
+were), so initial weights do not depend on the layout. Each stack is created by one
+vmapped init (`_stacked`) that draws the same keys as creating its blocks one after
+another, so start-up, like compilation, does not grow with depth.
 
 The residual stream is laid out ("batch", "residual_seq", "embed"): batch over the
 token axes and, with `parallel.sequence_parallel`, the sequence split over the tensor
