@@ -246,3 +246,42 @@ def test_fsdp_splits_non_expert_weights_over_data_and_expert():
 
     odd = named_sharding(mesh, ("embed",), (6,), param_rules(fsdp=True), prefix=True).spec
     assert odd == P(("data", "expert_node")) and FSDP_AXES[0] == "data"  # 6 % 8 != 0, 6 % 2 == 0
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def _looped(make, rngs, num):
+    """The per-layer init the stacks replaced: `num` modules one after another, then stacked."""
+    states = [nnx.split(make(rngs))[1] for _ in range(num)]
+    graphdef = nnx.split(make(nnx.Rngs(params=0)))[0]
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+
+
+def test_vmapped_stack_init_equals_the_per_layer_init() -> None:
+    """The layer stacks are created by one vmapped init (start-up flat in depth); every weight
+    equals, bitwise, that of creating the layers one after another from the same stream, which
+    then stands where the loop would leave it (an MoE block: attention, router, experts)."""
+    from xmoe_jax.model.block import Block
+    from xmoe_jax.model.transformer import _stacked
+
+    cfg = dataclasses.replace(_tiny(), hidden=16, num_heads=2, num_kv_heads=1, head_dim=8)
+
+    def make(rngs):
+        return Block(cfg, True, rngs, ParallelConfig())
+
+    def init(stack, key):
+        rngs = nnx.Rngs(params=key)
+        rngs.params()  # a stream already in use, as after the embedding
+        weights = nnx.to_pure_dict(nnx.split(stack(make, rngs, 3))[1])
+        return weights, rngs.params.count[...]
+
+    key = jax.random.key(3)
+    one = jax.eval_shape(functools.partial(init, lambda make, rngs, _: _stacked(make, rngs, 1)), key)[0]
+    assert one["attn"]["wq"].shape == (1, 16, 2, 8)
+    stacked, count = jax.jit(functools.partial(init, _stacked))(key)
+    looped, looped_count = jax.jit(functools.partial(init, _looped))(key)
+    assert jax.tree.structure(stacked) == jax.tree.structure(looped) and int(count) == int(looped_count)
+    for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(looped), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert stacked["attn"]["wq"].shape == (3, 16, 2, 8)

@@ -48,7 +48,22 @@ def test_sigterm_saves_the_step_in_flight_exits_75_and_resumes_exactly(
     assert losses(run) == tiny_reference[1]  # every step once, bitwise equal
 
 
-def test_sigint_in_process_raises_preempted_and_resumes_exactly(tmp_path, tiny_reference):
+@pytest.fixture
+def sigint_handler():
+    """A known SIGINT handler for the test, whatever pytest started with (started in the background,
+    pytest inherits SIGINT ignored); the original one is put back afterwards."""
+
+    def found(signum, frame):  # stands for whatever handler the caller had
+        raise KeyboardInterrupt
+
+    original = signal.signal(signal.SIGINT, found)
+    try:
+        yield found
+    finally:
+        signal.signal(signal.SIGINT, original)
+
+
+def test_sigint_in_process_raises_preempted_and_resumes_exactly(tmp_path, tiny_reference, sigint_handler):
     run = tmp_path / "run"
     metrics = run / "metrics.jsonl"
 
@@ -67,7 +82,7 @@ def test_sigint_in_process_raises_preempted_and_resumes_exactly(tmp_path, tiny_r
     helper.join()
     step = stopped.value.step
     assert stopped.value.signal_name == "SIGINT" and stopped.value.saved_step == step and 3 <= step < STEPS
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is sigint_handler  # the handler train() found, restored
     resumed = train(tiny_config(run), resume=True)
     assert sorted(resumed.losses) == list(range(step + 1, STEPS + 1))
     assert losses(run) == tiny_reference[1]

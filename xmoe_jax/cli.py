@@ -89,14 +89,13 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
-    """`distributed.initialize()` from the flags of `add_cli_flags`; `--no-distributed` forces one process."""
+def _launch(args: argparse.Namespace, start):
     off = args.no_distributed or os.environ.get("XMOE_DISTRIBUTED", "1").lower() in ("0", "false", "no")
     if off and (args.coordinator or args.num_processes or args.process_id is not None):
         raise distributed.DistributedError(
             "--no-distributed conflicts with --coordinator/--num-processes/--process-id"
         )
-    return distributed.initialize(
+    return start(
         args.coordinator,
         args.num_processes,
         args.process_id,
@@ -105,6 +104,16 @@ def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
         auto=not off,
         peer_timeout_s=getattr(args, "peer_timeout", None),
     )
+
+
+def initialize_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
+    """`distributed.initialize()` from the flags of `add_cli_flags`; `--no-distributed` forces one process."""
+    return _launch(args, distributed.initialize)
+
+
+def resolve_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
+    """The launch plan of those flags without starting anything (no JAX import)."""
+    return _launch(args, distributed.resolve)
 
 
 EXIT_FAILED = 1
@@ -123,25 +132,24 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
+    _quiet_logging()
     try:
         cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
-    except ConfigError as err:
-        return _fail(err)
-    from xmoe_jax.launch.xla_flags import apply_defaults
+        if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
+            _start_line(args.config, cfg)
+        from xmoe_jax.launch.xla_flags import apply_defaults
 
-    apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
-    _quiet_logging()
+        apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
+        launch = initialize_from_args(args)  # before any other JAX use
+    except ConfigError as err:  # DistributedError included
+        return _fail(err)
+    distributed.quiet_unless_main(launch)
     from xmoe_jax.launch import peers
     from xmoe_jax.train import preemption
     from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.loop import TrainingError, train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
-    try:
-        launch = initialize_from_args(args)  # before any other JAX use
-    except ConfigError as err:  # DistributedError included
-        return _fail(err)
-    distributed.quiet_unless_main(launch)
     watch = peers.watch(launch)  # several processes: stop when another dies
     result, message = None, ""
     try:
@@ -170,6 +178,22 @@ def train_main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _start_line(config_path: str | None, cfg) -> None:
+    """The start-up summary's first line: config, run directory, parameters (the loop adds data,
+    devices and mesh, then says when it compiles)."""
+    from xmoe_jax.params import count_params
+    from xmoe_jax.units import format_count
+
+    counts = count_params(cfg.model)
+    logging.getLogger("xmoe_jax").info(
+        "config %s; run dir %s; %s parameters (%s active per token)",
+        config_path or "(built-in tiny defaults)",
+        cfg.train.run_dir,
+        format_count(counts.total),
+        format_count(counts.active),
+    )
+
+
 def params_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-params", "Print the parameter counts of a model config.")
     args = p.parse_args(argv)
@@ -188,7 +212,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         "xmoe-plan", "Per-device memory of a config's train step on N devices (ahead-of-time compile)."
     )
     p.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
-    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 64GiB or 80GB")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 64GiB, 64G or 80GB (KB/MB/GB/TB decimal; K/M/G/T and KiB/... binary)",
+    )
     p.add_argument(
         "--real-devices", action="store_true", help="compile for this host's accelerators (count must match)"
     )
@@ -201,6 +229,12 @@ def plan_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.devices < 1:
         return _fail(ConfigError(f"--devices={args.devices} must be >= 1"))
+    from xmoe_jax.units import parse_bytes
+
+    try:
+        memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    except ConfigError as err:
+        return _fail(err)
     if not args.real_devices:  # before JAX starts: N fake CPU devices, Pallas kernels (see xmoe_jax/plan.py)
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
@@ -211,11 +245,10 @@ def plan_main(argv: list[str] | None = None) -> int:
     apply_defaults()
     import jax
 
-    from xmoe_jax.plan import parse_bytes, plan
+    from xmoe_jax.plan import plan
 
     try:
         cfg = load_config(args.config, args.overrides)
-        memory = parse_bytes(args.device_memory) if args.device_memory else None
         if jax.device_count() != args.devices:
             raise ConfigError(
                 f"--devices={args.devices} but JAX has {jax.device_count()} devices "
@@ -235,6 +268,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result.as_dict(), f, indent=1)
+    return 0
 
 
 def _quiet_logging() -> None:
@@ -392,16 +426,25 @@ def convert_main(argv: list[str] | None = None) -> int:
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
     exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
-    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    exp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file, e.g. 5GB, 500MB or 500KB (KB/MB/GB decimal; K/M/G and KiB/... binary)",
+    )
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    from xmoe_jax.units import parse_bytes
+
+    try:  # before anything loads
+        shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size") if args.command == "export" else 0
+    except ConfigError as err:
+        return _fail(err)
     from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
     from xmoe_jax.hf.convert import ConversionError, export_checkpoint, import_checkpoint
-    from xmoe_jax.plan import parse_bytes
     from xmoe_jax.train.checkpoint import CheckpointError
 
     try:
@@ -412,7 +455,7 @@ def convert_main(argv: list[str] | None = None) -> int:
         else:
             files = export_checkpoint(
                 args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides,
-                parse_bytes(args.max_shard_size),
+                shard_bytes,
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     except (ConversionError, ConfigError, CheckpointError, ValueError) as err:

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe_jax.config import ModelConfig
+from xmoe_jax.units import format_count
 
 GIB = 2**30
 
@@ -173,7 +174,8 @@ def paper_units(model_cfg: ModelConfig) -> float:
 
 
 def format_param_table(model_cfg: ModelConfig) -> str:
-    """An aligned text table: breakdown rows, total, active, embedding (billions and raw)."""
+    """An aligned text table: breakdown rows, total, active, embedding (each in the unit that fits
+    it, K/M/B/T, and raw)."""
     pc = count_params(model_cfg)
     lines = [(name, n) for name, n in pc.breakdown.items()]
     summary = [("total", pc.total)]
@@ -188,12 +190,13 @@ def format_param_table(model_cfg: ModelConfig) -> str:
     raw_width = len(f"{pc.total:,}")
 
     def row(name: str, n: int) -> str:
-        return f"{name:<{width}}  {n / 1e9:>9.2f}B  {n:>{raw_width},}"
+        return f"{name:<{width}}  {format_count(n):>10}  {n:>{raw_width},}"
 
     rule = "-" * (width + 14 + raw_width)
-    out = [f"{'component':<{width}}  {'billions':>10}  {'count':>{raw_width}}", rule]
+    out = [f"{'component':<{width}}  {'size':>10}  {'count':>{raw_width}}", rule]
     out += [row(name, n) for name, n in lines]
     out.append(rule)
     out += [row(name, n) for name, n in summary]
-    out.append(f"{'paper units (2^30)':<{width}}  {paper_units(model_cfg):>9.2f}")
+    units = paper_units(model_cfg)
+    out.append(f"{'paper units (2^30)':<{width}}  {f'{units:.2f}' if units >= 0.01 else f'{units:.2e}':>10}")
     return "\n".join(out)

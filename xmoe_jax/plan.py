@@ -40,16 +40,6 @@ from xmoe_jax.moe.dispatchers import exchanges_tokens
 GiB = 2**30
 
 
-def parse_bytes(text: str) -> int:
-    """'64GiB', '80GB', '141e9' -> bytes."""
-    units = {"gib": GiB, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
-    low = text.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
-        if low.endswith(unit):
-            return int(float(low[: -len(unit)]) * scale)
-    return int(float(low))
-
-
 def _per_device(tree) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):
@@ -111,7 +101,8 @@ class Plan:
                 f"  {'state, bytes per parameter':<52} {parts} = {sum(self.bytes_per_param.values()):.1f}"
             )
         if self.device_memory is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
+            over = f", {(self.peak - self.device_memory) / GiB:.1f} GiB over" if not self.fits else ""
+            verdict = "fits" if self.fits else f"does NOT fit{over}"
             lines.append(f"  {'device memory':<52} {self.device_memory / GiB:9.2f} GiB: {verdict}")
         lines += [f"  try: {a}" for a in self.advice]
         lines += [f"  note: {n}" for n in self.notes]
@@ -167,7 +158,6 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         out.append(
             "parallel.recv_buffer_factor=1.25 (with parallel.adaptive_buffers=true): buffers near the average"
         )
-    out.append(f"({over / GiB:.1f} GiB over)")
     return out
 
 

@@ -63,13 +63,21 @@ def _loss_png(plt, train: list[dict], evals: list[dict], title: str, path: Path)
     plt.close(fig)
 
 
+MAX_EXPERT_LABELS = 16
+
+
+def expert_ticks(num_experts: int, most: int = MAX_EXPERT_LABELS) -> list[int]:
+    """The experts whose rows get a label: all up to `most`, then every k-th (at most `most`)."""
+    return list(range(0, num_experts, -(-num_experts // most)))
+
+
 def _expert_load_png(plt, train: list[dict], title: str, path: Path) -> None:
     with_load = [r for r in train if r.get("expert_load")]
     steps = [r["step"] for r in with_load]
     load_TLE = np.asarray([r["expert_load"] for r in with_load], dtype=np.float64)
     num_layers, num_experts = load_TLE.shape[1], load_TLE.shape[2]
     vmax = max(2.0, float(load_TLE.max()))
-    layer_height = min(3.0, max(1.2, 0.12 * num_experts))  # inches
+    layer_height = min(3.0, max(1.6, 0.12 * num_experts))  # inches: room for 16 labels
     fig, axes = plt.subplots(num_layers, 1, figsize=(9, 1.0 + layer_height * num_layers), squeeze=False)
     half = (steps[-1] - steps[0]) / max(2 * (len(steps) - 1), 1) or 0.5  # half a column, in steps
     for layer, ax in enumerate(axes[:, 0]):
@@ -84,6 +92,8 @@ def _expert_load_png(plt, train: list[dict], title: str, path: Path) -> None:
             extent=(steps[0] - half, steps[-1] + half, -0.5, num_experts - 0.5),
         )
         ax.set(ylabel="expert", title=f"MoE layer {layer}")
+        ticks = expert_ticks(num_experts)
+        ax.set_yticks(ticks, [str(e) for e in ticks], fontsize=8 if len(ticks) > 8 else None)
         fig.colorbar(image, ax=ax, label="load / mean")
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(title)

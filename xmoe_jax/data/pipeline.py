@@ -55,6 +55,7 @@ class _Part:
     held_out: grain.MapDataset | None
     weight: float
     seed: int
+    about: str = ""  # for the start-up summary: the source and its size
 
 
 def _check_sizes(
@@ -97,8 +98,19 @@ def _open_part(
             f"fewer than the {pc} process(es); raise eval.holdout or use more data",
         )
     ds = grain.MapDataset.source(windows)
+    if isinstance(windows, PackedWindows):
+        held = f", {num_held:,} held out for eval" if num_held else ""
+        about = (
+            f"{where}: {len(windows.stream):,} tokens, {num - num_held:,} windows of seq_len={seq_len}{held}"
+        )
+    else:
+        about = f"{prefix}source=synthetic (generated, no files)"
     return _Part(
-        ds[: num - num_held] if num_held else ds, ds[num - num_held :] if num_held else None, src.weight, seed
+        ds[: num - num_held] if num_held else ds,
+        ds[num - num_held :] if num_held else None,
+        src.weight,
+        seed,
+        about,
     )
 
 
@@ -144,6 +156,7 @@ def make_input(
     """
     _check_sizes(seq_len, batch_size, vocab_size, process_index, process_count)
     parts = _parts(data_cfg, holdout, seq_len, vocab_size, process_count)
+    log.info("data: %s", "; ".join(part.about for part in parts))
     streams = []
     for part in parts:
         ds = part.train[process_index::process_count]

@@ -12,10 +12,12 @@ with a leading [L] axis. The forward pass runs each stack as a `jax.lax.scan` ov
 that axis, so the program (and its compile time) does not grow with depth;
 `model.unroll_layers` runs the same parameters through a Python loop instead
 (debugging; the same losses). Each block runs under the `model.remat` policy
-(xmoe_jax/remat.py). The blocks are created one after another from one RNG stream
-(embedding, dense layers, MoE layers, head: the order of the per-layer model this
-replaced; then the `mtp_layers` stack, so turning MTP on leaves the main model's initial
-weights as they were), so initial weights do not depend on the layout.
+(xmoe_jax/remat.py). The blocks draw from one RNG stream in order (embedding, dense
+layers, MoE layers, head: the order of the per-layer model this replaced; then the
+`mtp_layers` stack, so turning MTP on leaves the main model's initial weights as they
+were), so initial weights do not depend on the layout. Each stack is created by one
+vmapped init (`_stacked`) that draws the same keys as creating its blocks one after
+another, so start-up, like compilation, does not grow with depth.
 
 The residual stream is laid out ("batch", "residual_seq", "embed"): batch over the
 token axes and, with `parallel.sequence_parallel`, the sequence split over the tensor
@@ -43,11 +45,44 @@ from xmoe_jax.remat import remat
 STACKS = ("dense_layers", "moe_layers")
 
 
-def _stack(blocks: list[Block]) -> Block:
-    """One Block whose variables carry a leading [L] axis: the blocks' variables stacked."""
-    graphdef, _ = nnx.split(blocks[0])
-    states = [nnx.split(b)[1] for b in blocks]
-    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
+class _CountingRngs:
+    """Stands in for `nnx.Rngs` while a module is traced abstractly, to count its draws from the
+    `params` stream (every weight of the model draws its key there, one key per call)."""
+
+    def __init__(self):
+        self.draws = 0
+
+    def params(self) -> jax.Array:
+        self.draws += 1
+        return jax.random.key(0)
+
+
+def _stacked(make, rngs: nnx.Rngs, num: int) -> nnx.Module:
+    """`num` modules of `make(rngs)` as one module whose variables carry a leading [num] axis,
+    created by one vmapped init: its program, and so start-up, does not grow with depth.
+
+    Module i draws the keys that the i-th of `num` calls of `make` one after another would: a
+    stream's key j is fold_in(key, count + j), so module i starts at count + i * draws, where
+    `draws` is one module's number of keys (counted on an abstract trace). The weights therefore
+    equal those of creating the modules in a Python loop; the stream ends where the loop left it.
+    One module is created as it is (a batch of one compiles slower than none).
+    """
+    if num == 1:
+        graphdef, state = nnx.split(make(rngs))
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[None], state))
+    counter = _CountingRngs()
+    graphdef = nnx.split(nnx.eval_shape(lambda: make(counter)))[0]
+    stream = rngs.params
+    key, count = stream.key[...], stream.count[...]
+
+    def one(i):
+        layer_rngs = nnx.Rngs(params=key)
+        layer_rngs.params.count[...] = count + i * counter.draws
+        return nnx.split(make(layer_rngs))[1]
+
+    state = jax.vmap(one)(jnp.arange(num, dtype=count.dtype))
+    stream.count[...] = count + num * counter.draws
+    return nnx.merge(graphdef, state)
 
 
 class Transformer(nnx.Module):
@@ -60,16 +95,14 @@ class Transformer(nnx.Module):
         embed_std = cfg.init_std if cfg.tie_embeddings else 1.0
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden), ("vocab", "embed"), embed_std, pdt)
         if cfg.num_dense_layers:
-            self.dense_layers = _stack(
-                [Block(cfg, False, rngs, parallel) for _ in range(cfg.num_dense_layers)]
-            )
+            self.dense_layers = _stacked(lambda r: Block(cfg, False, r, parallel), rngs, cfg.num_dense_layers)
         if cfg.num_moe_layers:
-            self.moe_layers = _stack([Block(cfg, True, rngs, parallel) for _ in range(cfg.num_moe_layers)])
+            self.moe_layers = _stacked(lambda r: Block(cfg, True, r, parallel), rngs, cfg.num_moe_layers)
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, pdt)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pdt)
         if cfg.mtp_depth:
-            self.mtp_layers = _stack([MTPModule(cfg, rngs, parallel) for _ in range(cfg.mtp_depth)])
+            self.mtp_layers = _stacked(lambda r: MTPModule(cfg, r, parallel), rngs, cfg.mtp_depth)
 
     def _run_stack(self, stack: Block, x_BSD: jax.Array):
         graphdef, state = nnx.split(stack)

@@ -128,6 +128,14 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> Tr
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
+    devices = jax.devices()
+    log.info(
+        "devices: %d x %s%s; mesh %s",
+        len(devices),
+        devices[0].device_kind,
+        f" in {num_processes} processes" if num_processes > 1 else "",
+        " ".join(f"{name}={size}" for name, size in mesh.shape.items()),
+    )
     with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
         return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main, stop, eval_data)
 
@@ -157,6 +165,7 @@ def _run(
     shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
     start = None
     if not candidates:
+        log.info("initialising the parameters...")
         state = init_state(spec, optimizer, cfg, mesh, shardings)
     else:
         start, state = _restore(
@@ -212,6 +221,7 @@ def _run(
     first = (start or 0) + 1
     pending: tuple[int, dict] | None = None
     started, first_step_s = time.perf_counter(), None
+    log.info("compiling the train step (the first step includes it)...")
     try:
         meter.reset()
         for step in range(first, cfg.train.steps + 1):
@@ -219,15 +229,16 @@ def _run(
             profiler.before_step(step)  # [profile]
             state, metrics = step_fn(state, batch, step)
             profiler.after_step(step, metrics)  # [profile]
+            meter.tick()
             if step == first:  # compilation (and the first step) done: say how long it took
                 jax.block_until_ready(metrics["loss"])
                 first_step_s = time.perf_counter() - started
                 log.info("step %d compiled and ran in %.1f s", step, first_step_s)
+                meter.compiled()  # throughput counts from here
             if pending is not None:  # check the previous step while this one runs
                 check(*pending)
             pending = (step, metrics)
-            meter.tick()
-            logger.progress(step)
+            logger.progress(step, meter.steps_per_s(), tokens_per_step)
             if step % cfg.train.log_every == 0 or step == cfg.train.steps:
                 check(*pending)
                 pending = None
@@ -241,6 +252,9 @@ def _run(
                     "lr": float(schedule(step - 1)),
                     **meter.read(),
                 }
+                steps_per_s = record["tokens_per_s"] / tokens_per_step
+                steady = steps_per_s > 0 and not record.get("includes_compile")
+                eta_s = (cfg.train.steps - step) / steps_per_s if steady else None
                 if "mtp_loss" in metrics:
                     record["mtp_loss"] = float(metrics["mtp_loss"])
                 if "tokens_per_expert" in metrics:
@@ -252,7 +266,7 @@ def _run(
                 if "wire_bytes" in metrics:
                     record.update(exchange_stats(metrics, ladder))
                 records.append(record)
-                logger.log(record)
+                logger.log(record, eta_s)
             if evaluator is not None and evaluator.due(step, cfg.train.steps):  # [eval]
                 evals.append(evaluator.run(state, step))
                 logger.log(evals[-1])
@@ -262,7 +276,8 @@ def _run(
                 if pending is not None:  # never save a step before it is known to be good
                     check(*pending)
                     pending = None
-                ckpt.save(step, state.as_dict(), data_iter, cfg, force=final)
+                with meter.paused():  # saving is not training throughput
+                    ckpt.save(step, state.as_dict(), data_iter, cfg, force=final)
             if step < cfg.train.steps and stop.stop_now(step):  # reliability: the same step everywhere
                 if pending is not None:
                     check(*pending)

@@ -14,6 +14,7 @@ MFU = achieved model FLOP/s per device / the device's peak dense bf16 FLOP/s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -92,6 +93,12 @@ def exchange_stats(metrics: dict, ladder) -> dict:
     }
 
 
+def format_eta(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    s = max(int(round(seconds)), 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
 class MetricsLogger:
     """Writes metrics.jsonl (training records, and evaluation records holding `eval_loss`), shows
     progress (a live line on a terminal, plain lines when piped) and, with `tensorboard`, writes
@@ -110,28 +117,33 @@ class MetricsLogger:
 
             self._tensorboard = TensorBoardWriter(Path(run_dir) / "tensorboard")
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, eta_s: float | None = None) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.write(record)
-        self.stream.write(self._line(record) + "\n")
+        self.stream.write(self._line(record, eta_s) + "\n")
         self.stream.flush()
 
-    def progress(self, step: int) -> None:
-        """Between log points on a terminal: a bar that rewrites itself."""
+    def progress(self, step: int, steps_per_s: float | None = None, tokens_per_step: int = 0) -> None:
+        """Between log points on a terminal: a bar that rewrites itself, with the rate and the ETA
+        (from the current throughput window: compilation and saves left out)."""
         if not (self.enabled and self.tty):
             return
         width = 30
         done = int(width * step / max(self.total, 1))
-        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}\x1b[K")
+        rate = ""
+        if steps_per_s:
+            rate = f" | {steps_per_s * tokens_per_step:,.0f} tok/s" if tokens_per_step else ""
+            rate = f" | {steps_per_s:.2f} steps/s{rate} | ETA {format_eta((self.total - step) / steps_per_s)}"
+        self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}{rate}\x1b[K")
         self.stream.flush()
         if step == self.total:
             self.stream.write("\r\x1b[K")
 
-    def _line(self, r: dict) -> str:
+    def _line(self, r: dict, eta_s: float | None = None) -> str:
         prefix = "\r\x1b[K" if self.tty else ""
         if "eval_loss" in r:
             return (
@@ -139,13 +151,17 @@ class MetricsLogger:
                 + f"step {r['step']:>6}/{self.total} | eval loss {r['eval_loss']:.4f} | ppl {r['eval_ppl']:.2f}"
             )
         parts = [f"step {r['step']:>6}/{self.total}", f"loss {r['loss']:.4f}"]
-        parts.append(f"tok/s {r['tokens_per_s']:,.0f}")
+        parts.append(
+            f"tok/s {r['tokens_per_s']:,.0f}" + (" (incl. compile)" if r.get("includes_compile") else "")
+        )
         parts.append(f"TFLOP/s/dev {r['tflops_per_device']:.2f}")
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if "expert_imbalance" in r:
             parts.append(f"imb {max(r['expert_imbalance']):.2f}")
             parts.append(f"drop {max(r['drop_rate']):.3f}")
+        if eta_s is not None:
+            parts.append(f"ETA {format_eta(eta_s)}")
         return prefix + " | ".join(parts)
 
     def close(self) -> None:
@@ -156,29 +172,64 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Wall time between log points -> tokens/s, model TFLOP/s per device, MFU."""
+    """Wall time between log points -> tokens/s, model TFLOP/s per device, MFU.
+
+    Time that is not training is left out of the figures: the first step of a start or resume,
+    which compiles the step (`compiled`), and checkpoint saves (`paused`); evaluation restarts the
+    window (`reset`). A window that holds nothing but the compiling step (a log point right at the
+    first step) reports that step's rate, marked `includes_compile`.
+    """
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, num_devices: int, peak: float | None):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
         self.peak = peak
+        self._compile_window: tuple[int, float] | None = None
         self.reset()
 
     def reset(self) -> None:
         self.t0 = time.perf_counter()
         self.steps = 0
+        self.excluded = 0.0
 
     def tick(self) -> None:
         self.steps += 1
 
+    def _elapsed(self) -> float:
+        return max(time.perf_counter() - self.t0 - self.excluded, 1e-9)
+
+    def compiled(self) -> None:
+        """The steps ticked so far compiled the step function: the window starts after them."""
+        self._compile_window = (self.steps, self._elapsed())
+        self.reset()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time inside (a checkpoint save) is not training time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - start
+
+    def steps_per_s(self) -> float | None:
+        """The current window's rate (for the progress bar and ETA); None before its first step."""
+        return self.steps / self._elapsed() if self.steps else None
+
     def read(self) -> dict:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
-        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        steps, elapsed, compile_only = self.steps, self._elapsed(), False
+        if steps == 0 and self._compile_window is not None:
+            (steps, elapsed), compile_only = self._compile_window, True
+        self._compile_window = None
+        tokens_per_s = steps * self.tokens_per_step / elapsed
         tflops = tokens_per_s * self.flops_per_token / self.num_devices / 1e12
         self.reset()
-        return {
+        out = {
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": tflops,
             "mfu": tflops / self.peak if self.peak else None,
         }
+        if compile_only:
+            out["includes_compile"] = True
+        return out
