@@ -97,7 +97,8 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         holdout=cfg.eval.holdout,
     )
     eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
-    lock = rundir.claim(run_dir, process_index == 0)  # reliability: writable, one writer at a time
+    ckpt_dir = run_dir / "checkpoints" if cfg.checkpoint.enabled else None
+    lock = rundir.claim(run_dir, process_index == 0, ckpt_dir)  # reliability: writable, one writer at a time
     try:
         return _start(cfg, run_dir, data_iter, resume, eval_data)
     finally:
