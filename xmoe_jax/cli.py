@@ -128,7 +128,7 @@ def train_main(argv: list[str] | None = None) -> int:
     _quiet_logging()
     from xmoe_jax import peers
     from xmoe_jax.train import preemption
-    from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.train.checkpoint import CheckpointError, CheckpointWriteError
     from xmoe_jax.train.loop import TrainingError, train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
@@ -146,10 +146,10 @@ def train_main(argv: list[str] | None = None) -> int:
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
         preemption.ignore(cfg.train.stop_signals)
+    except (TrainingError, CheckpointWriteError) as err:  # failed while training: status 1
+        code, message = _fail(err, EXIT_FAILED), str(err)
     except (ConfigError, CheckpointError) as err:
         code, message = _fail(err), str(err)
-    except TrainingError as err:
-        code, message = _fail(err, EXIT_FAILED), str(err)
     except Exception as err:
         if not launch.is_multi_process:
             raise  # the traceback, status 1
@@ -224,10 +224,21 @@ def plan_main(argv: list[str] | None = None) -> int:
             json.dump(result.as_dict(), f, indent=1)
 
 
+def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
+    """Orbax logs each failed background write with its traceback, from several threads (a full disk
+    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each."""
+    if record.name == "absl" and record.exc_info:  # orbax logs through absl
+        record.msg, record.args = record.getMessage().splitlines()[0][:300], None
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def _quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_one_line_orbax_errors)
 
 
 def tokenize_main(argv: list[str] | None = None) -> int:

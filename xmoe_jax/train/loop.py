@@ -269,10 +269,12 @@ def _run(
             check(*pending)
     finally:
         profiler.close()
-        if ckpt is not None:
-            ckpt.wait()
-            ckpt.close()
         logger.close()
+        if ckpt is not None:
+            try:
+                ckpt.wait()  # CheckpointWriteError: one line naming the folder and the step
+            finally:
+                ckpt.close()
     return TrainResult(
         losses=losses,
         final_step=cfg.train.steps,
