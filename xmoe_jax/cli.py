@@ -139,13 +139,13 @@ def train_main(argv: list[str] | None = None) -> int:
         return _fail(err)
     distributed.quiet_unless_main(launch)
     watch = peers.watch(launch)  # several processes: stop when another dies
+    preemption.ignore_after_stop()  # a late stop signal must not turn status 75 into death by signal
     result, message = None, ""
     try:
         result = train(cfg, resume=args.resume)
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
-        preemption.ignore(cfg.train.stop_signals)
     except (TrainingError, CheckpointWriteError) as err:  # failed while training: status 1
         code, message = _fail(err, EXIT_FAILED), str(err)
     except (ConfigError, CheckpointError) as err:
