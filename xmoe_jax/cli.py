@@ -1,7 +1,7 @@
 """Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-plan`, `xmoe-tokenize`, `xmoe-eval`,
 `xmoe-plot`, `xmoe-generate`, `xmoe-convert`.
 
-    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
+    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
@@ -11,7 +11,7 @@
     xmoe-convert import --hf-dir DIR --out RUN_DIR / export --run-dir RUN_DIR --out DIR
 
 Exit status of `xmoe-train` (docs/reliability.md):
-    0   the run finished;
+    0   the run finished (or, resumed, had already finished);
     1   it failed: a non-finite loss under train.nan_policy=stop, another process of the job
         died or failed (`xmoe_jax.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
@@ -118,7 +118,16 @@ def _fail(err: Exception, code: int = EXIT_BAD_INPUT) -> int:
 def train_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-train", "Train a DeepSeek-style MoE transformer.")
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in train.run_dir from its latest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in train.run_dir from its newest intact checkpoint (step 0 if it has "
+        "none yet); refused if train.run_dir does not exist",
+    )
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="as --resume, but a train.run_dir that does not exist starts a new run there: for the "
+        "first submission of a job that resumes itself (requeues, restart loops)",
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
@@ -142,7 +151,8 @@ def train_main(argv: list[str] | None = None) -> int:
     preemption.ignore_after_stop()  # a late stop signal must not turn status 75 into death by signal
     result, message = None, ""
     try:
-        result = train(cfg, resume=args.resume)
+        resume = args.resume or args.resume_or_start
+        result = train(cfg, resume=resume, start_if_missing=args.resume_or_start)
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
@@ -157,7 +167,9 @@ def train_main(argv: list[str] | None = None) -> int:
         watch.fail(f"{type(err).__name__}: {err}")  # tells the others, names silent peers, exits 1
     watch.leave(code, message)  # every process ends here together: leave in order
     distributed.shutdown()
-    if result is not None and launch.process_id == 0:
+    if result is not None and result.already_finished and launch.process_id == 0:
+        print(f"already finished: step {result.final_step} = train.steps, run dir {cfg.train.run_dir}")
+    elif result is not None and launch.process_id == 0:
         last = result.records[-1] if result.records else {}
         print(
             f"done: step {result.final_step}, loss {last.get('loss', float('nan')):.4f}, "
