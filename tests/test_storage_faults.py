@@ -100,3 +100,45 @@ def test_real_read_only_and_full_checkpoint_mounts(tmp_path, tmp_path_factory):
     finally:
         for path in (ro, full):
             subprocess.run(["umount", "-l", str(path / "checkpoints")], capture_output=True)
+
+
+def test_rejected_keeps_only_the_newest_few(tmp_path, caplog):
+    """Issue 23 2.11: every interrupted save stayed in rejected/ forever (a big model's full size per
+    kill on a preemptible queue)."""
+    from xmoe_jax.train import integrity
+
+    for i in range(integrity.KEEP_REJECTED + 2):
+        (tmp_path / f"{i}.orbax-checkpoint-tmp-{i}").mkdir()
+        (tmp_path / f"{i}.orbax-checkpoint-tmp-{i}" / "data").write_text("x")
+        dest = integrity.reject(tmp_path, f"{i}.orbax-checkpoint-tmp-{i}", "is an interrupted save")
+        os.utime(dest, (1000 + i, 1000 + i))  # distinct times on coarse clocks
+    kept = sorted(p.name for p in (tmp_path / integrity.REJECTED_DIR).iterdir())
+    newest = [f"{i}.orbax-checkpoint-tmp-{i}" for i in range(2, integrity.KEEP_REJECTED + 2)]
+    assert kept == newest
+    assert f"only the newest {integrity.KEEP_REJECTED} set-aside checkpoints are kept" in caplog.text
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
+    """Issue 23 2.11: metrics.jsonl wrote bare NaN, which strict JSON readers reject."""
+    import io
+    import json
+
+    from xmoe_jax.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, 2, stream=io.StringIO())
+    speed = {"tokens_per_s": 1.0, "tflops_per_device": 0.0}
+    logger.log(
+        {"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "load": [1.0, float("nan")], **speed}
+    )
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    strict = json.loads(line, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert strict == {"step": 1, "loss": None, "grad_norm": None, "load": [1.0, None], **speed}
+
+
+def test_prompt_ids_that_are_not_integers_name_the_flag(tmp_path, capsys):
+    from xmoe_jax.cli import generate_main
+
+    assert generate_main(["--run-dir", str(tmp_path), "--prompt-ids", "a b"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt-ids 'a b': 'a' is not a token id" in err and "--prompt-ids '1 2 3'" in err

@@ -332,6 +332,19 @@ def plot_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _token_ids(text: str) -> list[int]:
+    """`--prompt-ids "1 2 3"` as a list of ints; `ConfigError` naming the flag and the fix."""
+    words = text.replace(",", " ").split()
+    bad = [w for w in words if not w.isdigit()]
+    if bad or not words:
+        what = f"{bad[0]!r} is not a token id" if bad else "it holds no token ids"
+        raise ConfigError(
+            f"--prompt-ids {text!r}: {what}; give non-negative integers separated by spaces, e.g. "
+            "--prompt-ids '1 2 3' (use --prompt for text)"
+        )
+    return [int(w) for w in words]
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
     p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
@@ -362,7 +375,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     try:
         run_cfg = pathlib.Path(args.run_dir) / "config.yaml"
         tokenizer = load_tokenizer(load_config(run_cfg if run_cfg.is_file() else None).data.tokenizer)
-        prompts = tokenizer.encode_batch(args.prompt) + [[int(i) for i in s.split()] for s in args.prompt_ids]
+        prompts = tokenizer.encode_batch(args.prompt) + [_token_ids(s) for s in args.prompt_ids]
         if not prompts:
             raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
