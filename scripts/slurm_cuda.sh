@@ -13,7 +13,8 @@
 #                  (one task per node seeing all its GPUs)
 #   NCCL_SOCKET_IFNAME / NCCL_IB_HCA / ...  site network settings, passed through unchanged
 #   DRY_RUN=1      print the environment, the srun line and every task's launch plan; launch nothing
-#   XMOE_RESUME=1  pass --resume (added by itself when a requeued job restarts)
+#   XMOE_RESUME=1  pass --resume: continue the run in train.run_dir, which must exist
+#                   (a requeued job adds --resume-or-start by itself)
 #
 # Preemption (--signal, --requeue, --open-mode below): SIGTERM reaches every task 120 s before the
 # time limit; the trainer saves, exits with status 75 and this script requeues the job, which
@@ -60,14 +61,14 @@ CMD=("$PYTHON" -u -m xmoe_jax.cli "$@")
 XMOE_SCRIPTS=${XMOE_SCRIPTS:-$(dirname "$0")}
 [[ -f $XMOE_SCRIPTS/slurm_requeue.sh ]] || XMOE_SCRIPTS=${SLURM_SUBMIT_DIR:-.}/scripts # sbatch runs a copy
 # shellcheck source=scripts/slurm_requeue.sh
-source "$XMOE_SCRIPTS/slurm_requeue.sh" # requeue on status 75; --resume after a requeue
+source "$XMOE_SCRIPTS/slurm_requeue.sh" # requeue on status 75; --resume-or-start after a requeue
 xmoe_resume_flag CMD
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "# environment"
   env | grep -E '^(NCCL_|XLA_FLAGS|XMOE_|CUDA_VISIBLE_DEVICES)' | sort
   echo "# launch ($TASKS_PER_NODE task(s) per node): ${SRUN[*]} ${CMD[*]}"
-  echo "# exit status $XMOE_PREEMPTED (saved on a signal): scontrol requeue \$SLURM_JOB_ID; the requeued job adds --resume"
+  echo "# exit status $XMOE_PREEMPTED (saved on a signal): scontrol requeue \$SLURM_JOB_ID; the requeued job adds --resume-or-start"
   exec "$PYTHON" "$(dirname "$0")/launch_plan.py" --nodelist "${SLURM_JOB_NODELIST:-gpu[001-$(printf %03d "$NODES")]}" "${PLAN[@]}"
 fi
 xmoe_run_and_requeue "${SRUN[@]}" -- "${CMD[@]}"

@@ -15,7 +15,8 @@
 #                 then the Slingshot variables OLCF lists for a manual plugin are set here
 #   XMOE_REQUIRE_OFI=1  make RCCL fail instead of silently falling back to TCP sockets (multi-node)
 #   DRY_RUN=1     print the environment, the srun line and every task's launch plan; launch nothing
-#   XMOE_RESUME=1 pass --resume (added by itself when a requeued job restarts)
+#   XMOE_RESUME=1 pass --resume: continue the run in train.run_dir, which must exist
+#                  (a requeued job adds --resume-or-start by itself)
 #
 # Preemption (--signal, --requeue, --open-mode below): SIGTERM reaches every task 120 s before the
 # time limit; the trainer saves, exits with status 75 and this script requeues the job, which
@@ -97,7 +98,7 @@ CMD=("$PYTHON" -u -m xmoe_jax.cli "$@")
 XMOE_SCRIPTS=${XMOE_SCRIPTS:-$(dirname "$0")}
 [[ -f $XMOE_SCRIPTS/slurm_requeue.sh ]] || XMOE_SCRIPTS=${SLURM_SUBMIT_DIR:-.}/scripts # sbatch runs a copy
 # shellcheck source=scripts/slurm_requeue.sh
-source "$XMOE_SCRIPTS/slurm_requeue.sh" # requeue on status 75; --resume after a requeue
+source "$XMOE_SCRIPTS/slurm_requeue.sh" # requeue on status 75; --resume-or-start after a requeue
 xmoe_resume_flag CMD
 
 if [[ $DRY_RUN == 1 ]]; then
@@ -105,7 +106,7 @@ if [[ $DRY_RUN == 1 ]]; then
   env | grep -E '^(NCCL_|FI_|HSA_|MIOPEN_|XLA_FLAGS|XMOE_)' | sort
   echo "# per node: srun --ntasks-per-node=1 mkdir -p $MIOPEN_USER_DB_PATH"
   echo "# launch: ${SRUN[*]} ${CMD[*]}"
-  echo "# exit status $XMOE_PREEMPTED (saved on a signal): scontrol requeue \$SLURM_JOB_ID; the requeued job adds --resume"
+  echo "# exit status $XMOE_PREEMPTED (saved on a signal): scontrol requeue \$SLURM_JOB_ID; the requeued job adds --resume-or-start"
   gpus=$([[ $MODE == per-node ]] && echo $GCDS_PER_NODE || echo 1)
   exec "$PYTHON" "$(dirname "$0")/launch_plan.py" --nodelist "${SLURM_JOB_NODELIST:-frontier[00001-$(printf %05d "$NODES")]}" \
     --tasks-per-node "$TASKS_PER_NODE" --gpus-per-task "$gpus"

@@ -1,8 +1,10 @@
 # Sourced by scripts/slurm_*.sh: run the training step, and requeue the job when the trainer stopped
 # on a signal after saving (exit status 75, EX_TEMPFAIL; docs/reliability.md).
 #
-#   xmoe_resume_flag CMD_ARRAY_NAME     appends --resume to the command after a requeue
-#                                       (SLURM_RESTART_COUNT > 0) or when XMOE_RESUME=1
+#   xmoe_resume_flag CMD_ARRAY_NAME     appends --resume-or-start to the command after a requeue
+#                                       (SLURM_RESTART_COUNT > 0: the first run may have died before
+#                                       it wrote anything), --resume when XMOE_RESUME=1 (continue a
+#                                       run that must exist: a typo in train.run_dir is refused)
 #   xmoe_run_and_requeue SRUN... -- CMD...
 #                                       runs srun in the background, passes SIGTERM / SIGUSR1 that
 #                                       reach the batch shell on to it (scancel, --signal=B:...),
@@ -16,7 +18,11 @@ XMOE_PREEMPTED=75
 
 xmoe_resume_flag() {
   local -n cmd=$1
-  if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 || ${XMOE_RESUME:-0} == 1 ]]; then cmd+=(--resume); fi
+  if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+    cmd+=(--resume-or-start)
+  elif [[ ${XMOE_RESUME:-0} == 1 ]]; then
+    cmd+=(--resume)
+  fi
 }
 
 xmoe_run_and_requeue() {

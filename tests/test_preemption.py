@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -115,4 +116,52 @@ def test_slurm_wrapper_passes_sigterm_on_requeues_on_75_and_resumes(tmp_path):
     job.send_signal(signal.SIGTERM)  # scancel / --signal=B:TERM reach the batch shell
     assert job.wait(timeout=30) == PREEMPTED_EXIT_CODE
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "42"]
-    assert (tmp_path / "args.log").read_text().split() == ["--resume"]  # a requeued job resumes
+    # a requeued job resumes; its first run may have died before it wrote anything
+    assert (tmp_path / "args.log").read_text().split() == ["--resume-or-start"]
+
+
+LATE_SIGNALS = """
+import os, signal, sys
+from xmoe_jax.train import preemption
+if sys.argv[1] == "cli":
+    preemption.ignore_after_stop()
+try:
+    with preemption.StopSignals("SIGUSR1", None) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.stop_now(1)
+        raise stop.stop(1, None, {}, None, None)
+except preemption.Preempted:
+    for _ in range(50):  # a storm after the stop: before, the default action ended the process (143)
+        os.kill(os.getpid(), signal.SIGUSR1)
+    sys.exit(75)
+"""
+
+
+@pytest.mark.parametrize("mode", ["cli", "library"])
+def test_stop_signals_after_the_stop_began_are_ignored(mode):
+    """Issue 23 2.9: a SIGTERM storm after the stop message killed the process (143) and left
+    `run.lock` behind. With `ignore_after_stop()` (the CLI) the stop signals stay ignored from then
+    on; a library caller gets the previous handlers back (here: the default action)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_SIGNALS, mode], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    if mode == "cli":
+        assert done.returncode == PREEMPTED_EXIT_CODE, done.stderr
+        assert done.stderr.count("received SIGUSR1") == 1  # no storm in the log either
+    else:
+        assert done.returncode == -signal.SIGUSR1
+
+
+@pytest.mark.slow  # ~25 s: a CLI subprocess under a storm of SIGTERMs
+def test_a_sigterm_storm_still_ends_in_75_with_the_lock_removed(tmp_path, compile_cache):
+    run = tmp_path / "run"
+    cli = Cli(args(run), env(8, compile_cache), tmp_path, "storm")
+    cli.wait_for_step(3)
+    sent = 0
+    while cli.running() and sent < 5000:
+        cli.signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.002)
+    assert cli.wait(120) == PREEMPTED_EXIT_CODE, cli.err
+    assert not (run / "run.lock").exists() and sent > 10
+    assert cli.err.count("received SIGTERM again") == 1

@@ -102,3 +102,114 @@ def test_metrics_after_the_resumed_step_move_aside(tmp_path):
     assert discarded[:2] == [line.strip() for line in lines[4:]] and discarded[2] == '{"step": 7, "lo'
     rundir.trim_metrics(tmp_path, 4)  # nothing more to move
     assert len((tmp_path / rundir.DISCARDED_METRICS).read_text().splitlines()) == 3
+
+
+# ----------------------------------------------------------------------------- issue 23
+
+
+def _stale_lock(run: pathlib.Path, **fields) -> None:
+    """A lock of a process that is gone (pid 2**22 + 1 exceeds pid_max), last refreshed 20 min ago."""
+    holder = {**rundir._me(), "pid": 2**22 + 1, "start_time": "1", **fields}
+    (run / rundir.LOCK_NAME).write_text(json.dumps(holder))
+    old = os.stat(run / rundir.LOCK_NAME).st_mtime - 1200
+    os.utime(run / rundir.LOCK_NAME, (old, old))
+
+
+def test_two_takers_of_a_stale_lock_race_and_exactly_one_wins(tmp_path, monkeypatch):
+    """Issue 23 2.3: two trainers find a dead holder's lock at once; each used to replace and unlink
+    "the stale lock", so the slower one removed the faster one's fresh lock and both trained."""
+    import random
+    import threading
+    import time
+
+    monkeypatch.setattr(rundir.log, "warning", lambda *a, **k: None)
+    real_stale = rundir._stale_reason
+
+    def slow_judge(holder, age_s):  # widen the window between judging and replacing, as a slow disk does
+        reason = real_stale(holder, age_s)
+        time.sleep(random.random() * 2e-3)
+        return reason
+
+    monkeypatch.setattr(rundir, "_stale_reason", slow_judge)
+    trials, start = 120, time.perf_counter()
+    for trial in range(trials):
+        run = tmp_path / f"r{trial}"
+        run.mkdir()
+        _stale_lock(run)
+        gate, won, refused = threading.Barrier(2), [], []
+
+        def take(run=run, gate=gate, won=won, refused=refused):
+            lock = rundir.RunLock(run)
+            gate.wait()
+            try:
+                lock.acquire()
+                won.append(lock)
+            except ConfigError as e:
+                refused.append(str(e))
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for lock in won:
+            lock._stop.set()
+        assert len(won) == 1 and len(refused) == 1, (trial, len(won), refused)
+        assert "is in use by another trainer" in refused[0]
+        assert json.loads((run / rundir.LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert sorted(p.name for p in run.iterdir()) == [rundir.LOCK_NAME]  # nothing left aside
+    assert time.perf_counter() - start < 30
+
+
+def test_a_live_lock_from_another_pid_namespace_or_boot_is_judged_by_its_age(tmp_path):
+    """Issue 23 2.4: a trainer inside `unshare --pid` (or a container sharing the host name) records
+    pid 1; outside, that pid is another process, so its live lock looked stale."""
+    me = rundir._me()
+    assert me["pid_ns"].startswith("pid:[") and len(me["boot_id"]) == 36
+    gone = {**me, "pid": 2**22 + 1, "start_time": "1"}
+    assert "no longer runs" in rundir._stale_reason(gone, 0)  # same namespace and boot: the pid test
+    for other in ({"pid_ns": "pid:[1]"}, {"boot_id": "0" * 36}, {"pid_ns": None, "boot_id": None}):
+        assert rundir._stale_reason({**gone, **other}, 10) is None  # refreshed 10 s ago: may live
+        assert "not refreshed" in rundir._stale_reason({**gone, **other}, rundir.STALE_AFTER_S + 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.LOCK_NAME).write_text(json.dumps({**gone, "pid": 1, "pid_ns": "pid:[1]"}))
+    with pytest.raises(ConfigError, match="is in use by another trainer: pid 1 on host"):
+        rundir.RunLock(run).acquire()
+
+
+def test_an_empty_lock_is_described_as_such(tmp_path):
+    """Issue 23 2.11: an empty (half-written) lock said "pid None on host None"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.LOCK_NAME).write_text("")
+    with pytest.raises(ConfigError) as e:
+        rundir.RunLock(run).acquire()
+    assert "None" not in str(e.value) and "empty or half-written" in str(e.value)
+
+
+def test_checkpoints_folder_that_cannot_be_written_fails_before_compiling(tmp_path, monkeypatch):
+    """Issue 23 2.1: a read-only `checkpoints/` blocked the trainer at its first save for 5 minutes.
+    Root writes through permission bits, so the read-only mount is simulated: `checkpoints` is a
+    file, then the probe's create fails with EROFS (what a read-only mount answers)."""
+    import errno
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("x")
+    cfg = load_config(TINY, [f"train.run_dir={run}", "train.steps=1"])
+    with pytest.raises(ConfigError, match=f"{run / 'checkpoints'} is a file, not a directory"):
+        train(cfg)
+    (run / "checkpoints").unlink()
+    (run / "checkpoints").mkdir()
+    real_open = os.open
+
+    def read_only(path, flags, *a):
+        if str(path).startswith(str(run / "checkpoints")) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match=f"{run / 'checkpoints'} is not writable .Read-only file system."):
+        train(cfg)
+    assert not (run / rundir.LOCK_NAME).exists()  # released

@@ -1,7 +1,7 @@
 """Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-plan`, `xmoe-tokenize`, `xmoe-eval`,
 `xmoe-plot`, `xmoe-generate`, `xmoe-convert`.
 
-    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume]
+    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
@@ -11,7 +11,7 @@
     xmoe-convert import --hf-dir DIR --out RUN_DIR / export --run-dir RUN_DIR --out DIR
 
 Exit status of `xmoe-train` (docs/reliability.md):
-    0   the run finished;
+    0   the run finished (or, resumed, had already finished);
     1   it failed: a non-finite loss under train.nan_policy=stop, another process of the job
         died or failed (`xmoe_jax.launch.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
@@ -128,7 +128,16 @@ def _fail(err: Exception, code: int = EXIT_BAD_INPUT) -> int:
 def train_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-train", "Train a DeepSeek-style MoE transformer.")
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in train.run_dir from its latest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in train.run_dir from its newest intact checkpoint (step 0 if it has "
+        "none yet); refused if train.run_dir does not exist",
+    )
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="as --resume, but a train.run_dir that does not exist starts a new run there: for the "
+        "first submission of a job that resumes itself (requeues, restart loops)",
     )
     add_cli_flags(p)
     args = p.parse_args(argv)
@@ -146,22 +155,23 @@ def train_main(argv: list[str] | None = None) -> int:
     distributed.quiet_unless_main(launch)
     from xmoe_jax.launch import peers
     from xmoe_jax.train import preemption
-    from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.train.checkpoint import CheckpointError, CheckpointWriteError
     from xmoe_jax.train.loop import TrainingError, train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     watch = peers.watch(launch)  # several processes: stop when another dies
+    preemption.ignore_after_stop()  # a late stop signal must not turn status 75 into death by signal
     result, message = None, ""
     try:
-        result = train(cfg, resume=args.resume)
+        resume = args.resume or args.resume_or_start
+        result = train(cfg, resume=resume, start_if_missing=args.resume_or_start)
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
-        preemption.ignore(cfg.train.stop_signals)
+    except (TrainingError, CheckpointWriteError) as err:  # failed while training: status 1
+        code, message = _fail(err, EXIT_FAILED), str(err)
     except (ConfigError, CheckpointError) as err:
         code, message = _fail(err), str(err)
-    except TrainingError as err:
-        code, message = _fail(err, EXIT_FAILED), str(err)
     except Exception as err:
         if not launch.is_multi_process:
             raise  # the traceback, status 1
@@ -169,7 +179,9 @@ def train_main(argv: list[str] | None = None) -> int:
         watch.fail(f"{type(err).__name__}: {err}")  # tells the others, names silent peers, exits 1
     watch.leave(code, message)  # every process ends here together: leave in order
     distributed.shutdown()
-    if result is not None and launch.process_id == 0:
+    if result is not None and result.already_finished and launch.process_id == 0:
+        print(f"already finished: step {result.final_step} = train.steps, run dir {cfg.train.run_dir}")
+    elif result is not None and launch.process_id == 0:
         last = result.records[-1] if result.records else {}
         print(
             f"done: step {result.final_step}, loss {last.get('loss', float('nan')):.4f}, "
@@ -271,10 +283,21 @@ def plan_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
+    """Orbax logs each failed background write with its traceback, from several threads (a full disk
+    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each."""
+    if record.name == "absl" and record.exc_info:  # orbax logs through absl
+        record.msg, record.args = record.getMessage().splitlines()[0][:300], None
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def _quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_one_line_orbax_errors)
 
 
 def tokenize_main(argv: list[str] | None = None) -> int:
@@ -356,6 +379,19 @@ def plot_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _token_ids(text: str) -> list[int]:
+    """`--prompt-ids "1 2 3"` as a list of ints; `ConfigError` naming the flag and the fix."""
+    words = text.replace(",", " ").split()
+    bad = [w for w in words if not w.isdigit()]
+    if bad or not words:
+        what = f"{bad[0]!r} is not a token id" if bad else "it holds no token ids"
+        raise ConfigError(
+            f"--prompt-ids {text!r}: {what}; give non-negative integers separated by spaces, e.g. "
+            "--prompt-ids '1 2 3' (use --prompt for text)"
+        )
+    return [int(w) for w in words]
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
     p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
@@ -393,7 +429,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         run_cfg = run_dir / "config.yaml"
         cfg = load_config(run_cfg if run_cfg.is_file() else None, args.overrides)
         tokenizer = load_tokenizer(provenance.for_tools(run_dir, cfg, args.overrides).data.tokenizer)
-        prompts = tokenizer.encode_batch(args.prompt) + [[int(i) for i in s.split()] for s in args.prompt_ids]
+        prompts = tokenizer.encode_batch(args.prompt) + [_token_ids(s) for s in args.prompt_ids]
         if not prompts:
             raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)

@@ -18,8 +18,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-import yaml
-
 Dispatch = Literal["dense", "padded", "pft", "rbd"]
 Transport = Literal["auto", "bucketed", "ragged", "emulated"]
 Overlap = Literal["none", "shared", "chunks", "both"]
@@ -980,23 +978,27 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     """`key=value` strings -> (dotted key, YAML-parsed value)."""
+    from xmoe_jax import config_yaml  # imports ConfigError from here
+
     out = []
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw)))
+        out.append((key.strip(), config_yaml.parse_value(key.strip(), raw)))
     return out
 
 
 def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | None = None) -> Config:
     """Reads `path` (YAML; None = built-in defaults) and applies dotted overrides."""
+    from xmoe_jax import config_yaml  # imports ConfigError from here
+
     data: dict = {}
     if path is not None:
         p = pathlib.Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass --config configs/<name>.yaml")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = config_yaml.load_file(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
     return from_dict(override_dict(data, overrides))

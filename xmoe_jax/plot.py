@@ -27,7 +27,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
         raise ConfigError(
             f"{run_dir} holds no metrics.jsonl; pass the run directory xmoe-train wrote (--run-dir)"
         )
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    nan = float("nan")  # metrics.jsonl writes a non-finite value as null
+    return [{k: nan if v is None else v for k, v in r.items()} for r in records]
 
 
 def _pyplot():

@@ -52,8 +52,15 @@ def list_files(path: str, prefix: str) -> list[pathlib.Path]:
 
 
 def _jsonl(file: pathlib.Path, text_field: str, prefix: str) -> Iterator[str]:
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{file}:{lineno} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove the line"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -80,10 +87,18 @@ def _parquet(file: pathlib.Path, text_field: str, prefix: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ConfigError(f"{file} is parquet; {_install_hint('pyarrow')}") from e
-    pf = pq.ParquetFile(file)
-    names = pf.schema_arrow.names
-    batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[text_field]) if text_field in names else []
-    yield from _column_batches(batches, names, text_field, str(file), prefix)
+    import pyarrow as pa
+
+    try:  # a damaged file fails when opened or at any batch
+        pf = pq.ParquetFile(file)
+        names = pf.schema_arrow.names
+        batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[text_field]) if text_field in names else []
+        yield from _column_batches(batches, names, text_field, str(file), prefix)
+    except (pa.ArrowException, OSError) as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{file} is not a readable parquet file ({reason}); replace it or remove it from the input"
+        ) from None
 
 
 def file_documents(file: pathlib.Path, text_field: str, prefix: str) -> Iterator[str]:

@@ -17,9 +17,20 @@ from pathlib import Path
 
 import numpy as np
 
+from xmoe_jax.config import ConfigError
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
+
+
+def _unreadable(path: Path, e: Exception, key: str | None = None) -> ConfigError:
+    reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    what = f"tensor {key!r} of {path}" if key else str(path)
+    return ConfigError(
+        f"{what} cannot be read ({type(e).__name__}: {reason}): the file is truncated or damaged; "
+        "download it again"
+    )
 
 
 class Reader:
@@ -37,10 +48,15 @@ class Reader:
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
         self._where: dict[str, object] = {}
+        self._file: dict[str, Path] = {}
         for name in files:
-            handle = safe_open(str(self.directory / name), framework="np")
+            path = self.directory / name
+            try:
+                handle = safe_open(str(path), framework="np")
+            except Exception as e:  # SafetensorError (a truncated or garbled header), OSError
+                raise _unreadable(path, e) from None
             for key in handle.keys():
-                self._where[key] = handle
+                self._where[key], self._file[key] = handle, path
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -53,8 +69,11 @@ class Reader:
 
     def read(self, key: str, index: tuple = ()) -> np.ndarray:
         """The tensor `key`, or only `index` (a tuple of ints / slices) of it."""
-        part = self._where[key].get_slice(key)
-        return np.asarray(part[index] if index else part[:])
+        try:
+            part = self._where[key].get_slice(key)
+            return np.asarray(part[index] if index else part[:])
+        except Exception as e:  # the data behind a valid header is cut short or garbled
+            raise _unreadable(self._file[key], e, key) from None
 
 
 def _to_file(tensors: dict[str, np.ndarray], path: Path) -> None:

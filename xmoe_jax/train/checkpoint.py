@@ -30,8 +30,10 @@ checkpoint at step 1.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ from xmoe_jax.config import (
     to_dict,
 )
 from xmoe_jax.launch import distributed
-from xmoe_jax.train import integrity
+from xmoe_jax.train import integrity, rundir
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str
 
@@ -62,6 +64,11 @@ log = logging.getLogger("xmoe_jax")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved, found or restored; the message names the problem and the fix."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished file system); the steps
+    saved before it are intact. Raised by `save` or `wait` (an asynchronous save's error)."""
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -77,6 +84,30 @@ def _first_line(e: Exception, limit: int = 300) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = text.split(" See full TensorStore details")[0]
     return f"{type(e).__name__}: {text[:limit]}"
+
+
+_STORAGE_ERRNOS = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EIO,
+    errno.ENOENT,
+    errno.ESTALE,
+)
+
+
+def _storage_reason(e: BaseException) -> str:
+    """The storage problem behind an orbax or tensorstore error, in a few words."""
+    text = str(e)
+    for code in _STORAGE_ERRNOS:
+        if (
+            getattr(e, "errno", None) == code
+            or os.strerror(code) in text
+            or f"os_error_code='{code}'" in text
+        ):
+            return os.strerror(code)
+    return _first_line(e if isinstance(e, Exception) else Exception(text), 200)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -189,6 +220,7 @@ class Checkpointer:
             create=True,
         )
         self._damaged: dict[int, str] = {}  # step -> why it cannot be restored (resume)
+        self._write_failed = False
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -293,7 +325,26 @@ class Checkpointer:
             data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
         manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
         items["manifest"] = ocp.args.JsonSave(manifest)
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
+            rundir.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
+            return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
+        except Exception as e:  # the write of this step, or the previous asynchronous one, failed
+            raise self._write_error(step, e) from e
+
+    def _write_error(self, step: int | None, e: BaseException) -> CheckpointWriteError:
+        self._write_failed = True
+        pending = getattr(self._manager, "_finalize_thread", None)
+        pending = (
+            pending.map(lambda t: t.step() if t is not None and t.exception is not None else None)
+            if pending is not None
+            else None
+        )
+        which = f"step {pending if pending is not None else step}"
+        return CheckpointWriteError(
+            f"checkpoint {which} could not be written to {self.directory}: {_storage_reason(e)}. The steps "
+            "saved before it are intact (an incomplete step is set aside on --resume); free space or fix "
+            "the storage, then run the same command with --resume"
+        )
 
     # -- restore
 
@@ -558,11 +609,20 @@ class Checkpointer:
     # -- lifecycle
 
     def wait(self) -> None:
-        """Blocks until pending async saves are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until pending async saves are on disk; `CheckpointWriteError` if one failed. (Every
+        wait inside orbax is bounded by its coordination timeout, 300 s; the probe in `save` finds an
+        unwritable folder before orbax waits on it.)"""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._write_error(None, e) from e
 
     def close(self) -> None:
-        self._manager.close()
+        try:
+            self._manager.close()
+        except Exception as e:
+            if not self._write_failed:  # else already reported once
+                raise self._write_error(None, e) from e
 
     def __enter__(self) -> Checkpointer:
         return self

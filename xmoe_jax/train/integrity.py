@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -40,6 +41,7 @@ import numpy as np
 log = logging.getLogger("xmoe_jax")
 
 MANIFEST_VERSION = 1
+KEEP_REJECTED = 3  # set-aside checkpoints kept in rejected/ (the newest)
 REJECTED_DIR = "rejected"
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _W1, _W2, _C1, _C2 = 0x9E3779B1, 0x85EBCA77, 0x7F4A7C15, 0x165667B1
@@ -186,7 +188,8 @@ def tmp_step(path: Path) -> int | None:
 
 
 def reject(directory: Path, name: str, reason: str) -> Path:
-    """Moves `directory/name` to `directory/rejected/` (a free name), logging both paths."""
+    """Moves `directory/name` to `directory/rejected/` (a free name), logging both paths; keeps only
+    the newest `KEEP_REJECTED` there (each interrupted save of a big model costs its full size)."""
     dest_dir = directory / REJECTED_DIR
     dest_dir.mkdir(exist_ok=True)
     dest = dest_dir / name
@@ -194,10 +197,20 @@ def reject(directory: Path, name: str, reason: str) -> Path:
     while dest.exists():
         dest, n = dest_dir / f"{name}.{n}", n + 1
     shutil.move(str(directory / name), str(dest))
+    os.utime(dest)  # the time it was set aside: what "newest" means below
     log.warning(
-        "checkpoint %s %s; moved to %s (delete it when you no longer need it)",
+        "checkpoint %s %s; moved to %s (the newest %d set aside are kept; delete them when you no "
+        "longer need them)",
         directory / name,
         reason,
         dest,
+        KEEP_REJECTED,
     )
+    entries = sorted(dest_dir.iterdir(), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+    for old in entries[KEEP_REJECTED:]:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+        log.warning("deleted %s: only the newest %d set-aside checkpoints are kept", old, KEEP_REJECTED)
     return dest

@@ -15,6 +15,7 @@ from the newest intact checkpoint (`Checkpointer.resume_candidates` /
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -58,12 +59,17 @@ class TrainResult:
     records: list[dict]  # what was logged
     evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
     first_step_s: float | None = None  # wall time of the first step, compilation included
+    already_finished: bool = False  # resumed at train.steps: nothing ran
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> list[int]:
+def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> list[int]:
     """Returns the steps to resume from, newest first ([] = fresh); refuses to overwrite a run."""
     if resume:  # reliability: only steps whose metadata and manifest check out
-        return ckpt.resume_candidates() if ckpt is not None else []
+        candidates = ckpt.resume_candidates() if ckpt is not None else []
+        if not candidates:
+            _check_nothing_to_resume(cfg, run_dir)
+            log.info("no checkpoint in %s: starting at step 0", run_dir / "checkpoints")
+        return candidates
     latest = ckpt.latest_step() if ckpt is not None else None
     if latest is not None:
         raise ConfigError(
@@ -78,17 +84,64 @@ def _prepare_run_dir(run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> 
     return []
 
 
+def _check_nothing_to_resume(cfg: Config, run_dir: Path) -> None:
+    """`--resume` found no checkpoint: start at step 0, unless that would write over a run that
+    never could be resumed (it saved no checkpoints) or that trained another model."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        saved = {}
+    fix = f"set train.run_dir to a new directory, or remove {run_dir} if you no longer need that run"
+    if not isinstance(saved, dict):
+        return
+    if (saved.get("checkpoint") or {}).get("enabled") is False:
+        raise ConfigError(
+            f"--resume: {run_dir} holds a run that saved no checkpoints (checkpoint.enabled=false), so "
+            f"there is nothing to resume, and starting over would write over it; {fix}"
+        )
+    old = json.loads(json.dumps(saved.get("model") or {}))
+    new = json.loads(json.dumps(to_dict(cfg.model)))
+    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    if diff:
+        was = ", ".join(f"model.{k}={old.get(k)} there, {new.get(k)} here" for k in diff[:3])
+        raise ConfigError(
+            f"--resume: {run_dir} holds a run of another model ({was}) and no checkpoint, so starting "
+            f"over would write over it; {fix}"
+        )
+
+
+def _last_checkpoint(ckpt: Checkpointer | None) -> str:
+    if ckpt is None or not ckpt.cfg.enabled:
+        return "; no checkpoints (checkpoint.enabled=false)"
+    latest = ckpt.latest_step()
+    return f"; last checkpoint: step {latest}" if latest is not None else "; no checkpoint saved yet"
+
+
 def _global_batch(local: dict, shard) -> dict:
     return {k: jax.make_array_from_process_local_data(shard, v) for k, v in local.items()}
 
 
-def train(cfg: Config, *, resume: bool = False) -> TrainResult:
-    """Runs `cfg.train.steps` steps in total (resumed runs continue to that count)."""
+def train(cfg: Config, *, resume: bool = False, start_if_missing: bool = False) -> TrainResult:
+    """Runs `cfg.train.steps` steps in total (resumed runs continue to that count).
+
+    `resume`: continue from the newest intact checkpoint in `train.run_dir`. With none there, it
+    starts at step 0 (and says so), but refuses a `run_dir` that does not exist (a typo must not
+    restart a run; `start_if_missing=True` starts one there: a job's first submission) and one whose
+    run cannot be continued (see `_check_nothing_to_resume`). A run already at `train.steps`
+    returns at once, `already_finished` set."""
     # -- validate everything before building or compiling anything
     num_processes, process_index = jax.process_count(), jax.process_index()
     cfg.validate_for_devices(jax.device_count(), num_processes)
     cfg = provenance.resolve(cfg)  # data.tokenizer: the data's own, or refused if it differs
     run_dir = Path(cfg.train.run_dir)
+    if resume and not start_if_missing and not run_dir.exists():
+        raise ConfigError(
+            f"--resume: train.run_dir={run_dir} does not exist, so there is nothing to resume; check the "
+            "path, or pass --resume-or-start instead (a first submission of a job that resumes itself)"
+        )
     data_iter = make_input(
         cfg.data,
         seq_len=cfg.train.seq_len,
@@ -99,7 +152,8 @@ def train(cfg: Config, *, resume: bool = False) -> TrainResult:
         holdout=cfg.eval.holdout,
     )
     eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
-    lock = rundir.claim(run_dir, process_index == 0)  # reliability: writable, one writer at a time
+    ckpt_dir = run_dir / "checkpoints" if cfg.checkpoint.enabled else None
+    lock = rundir.claim(run_dir, process_index == 0, ckpt_dir)  # reliability: writable, one writer at a time
     try:
         return _start(cfg, run_dir, data_iter, resume, eval_data)
     finally:
@@ -110,13 +164,18 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> Tr
     num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt_dir = run_dir / "checkpoints"
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
-    candidates = _prepare_run_dir(run_dir, resume, ckpt)
+    candidates = _prepare_run_dir(cfg, run_dir, resume, ckpt)
     start = candidates[0] if candidates else None
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
-    if start is not None and start >= cfg.train.steps:
+    if start is not None and start == cfg.train.steps:  # a restart loop's last round: nothing to do
+        log.info("already finished: checkpoint step %d in %s is train.steps", start, ckpt.directory)
+        ckpt.close()
+        return TrainResult(losses={}, final_step=start, skipped=[], records=[], already_finished=True)
+    if start is not None and start > cfg.train.steps:
         raise ConfigError(
-            f"the checkpoint is at step {start} >= train.steps={cfg.train.steps}; raise train.steps"
+            f"the checkpoint in {ckpt.directory} is at step {start}, past train.steps={cfg.train.steps}; "
+            f"set train.steps to {start} or more"
         )
     if num_processes > 1:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("xmoe_jax: run directory checked")
@@ -202,7 +261,7 @@ def _run(
                 "Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nan_policy=skip"
             )
             if cfg.train.nan_policy == "stop":
-                raise TrainingError(msg + (f"; last checkpoint: step {ckpt.latest_step()}" if ckpt else ""))
+                raise TrainingError(msg + _last_checkpoint(ckpt))
             skipped.append(step)
             log.warning("skipped: %s", msg)
         overflow = int(metrics.get("num_overflow", 0))
@@ -224,7 +283,11 @@ def _run(
     log.info("compiling the train step (the first step includes it)...")
     try:
         meter.reset()
+        saving = ckpt is not None and cfg.checkpoint.enabled
         for step in range(first, cfg.train.steps + 1):
+            if saving and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
+                ckpt.wait()  # reliability: the previous save is on disk before the next is due, so a kill
+                # at any moment loses fewer than 2 * checkpoint.every steps (docs/reliability.md)
             batch = _global_batch(next(data_iter), data_sh)
             profiler.before_step(step)  # [profile]
             state, metrics = step_fn(state, batch, step)
@@ -288,10 +351,12 @@ def _run(
             check(*pending)
     finally:
         profiler.close()
-        if ckpt is not None:
-            ckpt.wait()
-            ckpt.close()
         logger.close()
+        if ckpt is not None:
+            try:
+                ckpt.wait()  # CheckpointWriteError: one line naming the folder and the step
+            finally:
+                ckpt.close()
     return TrainResult(
         losses=losses,
         final_step=cfg.train.steps,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,18 @@ def format_eta(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def strict_json(value):
+    """`value` with every non-finite float (NaN, inf: a skipped step's loss) as None, so
+    metrics.jsonl is strict JSON (null), which every JSON reader accepts; bare NaN is not JSON."""
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 class MetricsLogger:
     """Writes metrics.jsonl (training records, and evaluation records holding `eval_loss`), shows
     progress (a live line on a terminal, plain lines when piped) and, with `tensorboard`, writes
@@ -120,7 +133,7 @@ class MetricsLogger:
     def log(self, record: dict, eta_s: float | None = None) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.write(record)

@@ -3,8 +3,11 @@
 Clusters end jobs with a signal and kill them a little later (SLURM: SIGTERM, or the signal
 chosen with `--signal`, then SIGKILL after KillWait). The signals named in `train.stop_signals`
 (default SIGTERM, SIGINT, SIGUSR1) become an orderly stop:
-  1. the handler only records the signal; a second one during the stop is logged and changes
-     nothing, so it cannot interrupt the save;
+  1. the handler only records the signal; a second one during the stop is logged (once) and
+     changes nothing, so it cannot interrupt the save. After `ignore_after_stop()` (the CLI calls
+     it), from the moment a stop begins the stop signals stay ignored for the rest of the process
+     instead of getting their previous action back, so a late one cannot turn status 75 into
+     death by signal (143) and leave `run.lock` behind;
   2. after each step the loop asks `StopSignals.stop_now(step)`. With several processes the
      answer is a collective: the maximum of every process's flag, computed on device right after
      step s and read after step s + 1 (when the loop waits for that step's metrics anyway), so
@@ -52,11 +55,16 @@ class Preempted(Exception):
         )
 
 
-def ignore(names: str) -> None:
-    """Ignores the stop signals from now on: after a stop, a late one must not turn status 75 into
-    death by signal (the CLI calls this once `train` has raised `Preempted`)."""
-    for name in stop_signal_names(names):
-        signal.signal(signal.Signals[name], signal.SIG_IGN)
+_ignore_after_stop = False
+
+
+def ignore_after_stop() -> None:
+    """From the moment a stop begins, ignore the stop signals for the rest of this process rather
+    than restoring their previous action when `train()` returns: for a program that exits once
+    `train()` raises `Preempted` (the CLI). Signal dispositions are the process's, hence a switch
+    here rather than a `train()` argument."""
+    global _ignore_after_stop
+    _ignore_after_stop = True
 
 
 class StopSignals:
@@ -70,6 +78,7 @@ class StopSignals:
         self.signals = [signal.Signals[n] for n in stop_signal_names(names)]
         self.received: str | None = None
         self.stopping = False
+        self._repeats = -1  # signals after the first
         self._previous: dict[signal.Signals, Any] = {}
         self._multi = jax.process_count() > 1
         if self._multi:
@@ -88,19 +97,23 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        stopped = self.received is not None or self.stopping
         for sig, previous in self._previous.items():
+            if stopped and _ignore_after_stop:
+                previous = signal.SIG_IGN  # the process exits with 75 next: nothing may interrupt that
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        self._repeats += 1
         if self.received is None:
             self.received = name
             log.warning("received %s: finishing the step in flight, then saving and stopping", name)
-        else:
+        elif self._repeats == 1:  # once: a storm of signals is one line
             log.warning(
-                "received %s again: already stopping (%s)%s; a SIGKILL now leaves the previous checkpoint "
-                "as the resume point",
+                "received %s again: already stopping (%s)%s; this and further stop signals change "
+                "nothing; a SIGKILL now leaves the previous checkpoint as the resume point",
                 name,
                 self.received,
                 ", the checkpoint is being written" if self.stopping else "",
