@@ -5,6 +5,7 @@
     python scripts/bench_fp8.py --torch --out torch.json           # torch._scaled_grouped_mm (own process:
                                                                    #   JAX preallocates the GPU's memory)
     python scripts/bench_fp8.py --sweep --configs small --out s.json   # tile / launch sweep
+    python scripts/bench_fp8.py --dense --out d.json               # a dense projection: bf16 vs dot_fp8
 
 Per config and group-size distribution: our bf16 gmm (forward; forward+backward), the FP8 kernel
 alone on pre-quantized operands per recipe, gmm_fp8 with its just-in-time quantization (forward;
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="only the on-device correctness check")
     p.add_argument("--torch", action="store_true", help="only the torch baselines")
     p.add_argument("--sweep", action="store_true", help="add a tile / launch sweep of the FP8 kernel")
+    p.add_argument("--dense", action="store_true", help="only the dense projection (bf16 vs dot_fp8)")
     p.add_argument("--configs", default="small,large")
     p.add_argument("--dists", default="uniform,zipf")
     p.add_argument("--iters", type=int, default=10)
@@ -41,6 +43,9 @@ def main() -> None:
     rec = fp8_bench.Recorder(args.out, {**meta, **environment()})
     if args.check:
         sys.exit(0 if fp8_bench.check(rec) else 1)
+    if args.dense:
+        fp8_bench.bench_dense(rec, args.iters)
+        return
     fp8_bench.bench(rec, configs, dists, args.iters, args.sweep)
 
 

@@ -175,7 +175,7 @@ def test_recipe_errors_name_the_choice():
 
 # ---------------------------------------------------------------- FP8 grouped GEMM and dense dot
 
-R, K, N, E = 72, 300, 40, 4  # K > 2 blocks of 128 and not a multiple of it
+R, K, N, E = 72, 384, 40, 4  # K: 3 blocks of 128 (the FP8 kernel needs K % block_k == 0)
 GROUPS = [[20, 0, 33, 9], [72, 0, 0, 0]]  # an empty group; all in one; sum < R (10 zero rows)
 FP8_BACKENDS = [
     pytest.param(
@@ -269,6 +269,8 @@ def test_registry_says_why_a_backend_cannot_take_an_fp8_call():
     assert "block_k" in backends.IMPLEMENTATIONS["pallas"].shape_reason(call)
     assert "FP8" in backends.IMPLEMENTATIONS["triton"].shape_reason(call)
     assert "bf16/f16" in backends.IMPLEMENTATIONS["mgpu"].shape_reason(call)
+    ragged_k = backends.Call("gmm_fp8", (q,), 300, 64, (64, 128, 64), 128)
+    assert "multiple of" in backends.IMPLEMENTATIONS["pallas"].shape_reason(ragged_k)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert backends.choose_backend("pallas", call).name in ("xla", "pallas")
@@ -299,3 +301,24 @@ def test_operands_layouts():
         assert q.shape == (5, 300) and q.dtype == E4M3 and s.shape == lhs_s
         q, s = jax.eval_shape(lambda w, r=recipe: quantize_rhs(w, r, E4M3), rhs)
         assert q.shape == (2, 300, 200) and s.shape == rhs_s
+
+
+@pytest.mark.parametrize("case", ["blockwise", "rowwise_kmajor", "mixed_e5m2"])
+def test_fp8_kernel_lowers_through_triton_for_cuda(case):
+    """The Pallas FP8 kernel's Triton lowering, run on CPU by exporting for the cuda platform (the
+    PTX compile itself needs a GPU: scripts/bench_fp8.py --check)."""
+    from jax import export
+
+    from xmoe_jax.kernels.gmm.pallas_fp8 import gmm_fp8_pallas
+
+    kb, transpose = (1, True) if case == "rowwise_kmajor" else (4, False)
+    lhs_dt = jnp.float8_e5m2 if case == "mixed_e5m2" else E4M3
+    sds = jax.ShapeDtypeStruct
+    args = (sds((256, 512), lhs_dt), sds((256, kb), jnp.float32),
+            sds((4, 384, 512) if transpose else (4, 512, 384), E4M3), sds((4, kb, 384), jnp.float32),
+            sds((4,), jnp.int32))  # fmt: skip
+    fn = jax.jit(lambda *a: gmm_fp8_pallas(*a, out_dtype=jnp.bfloat16, tile=(128, 128, 256),
+                                           transpose_rhs=transpose, num_warps=8, num_stages=4))  # fmt: skip
+    skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
+    assert "xla.gpu.triton" in exported.mlir_module()

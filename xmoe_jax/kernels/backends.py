@@ -148,6 +148,8 @@ class Pallas(Backend):
     def shape_reason(self, call):
         if any(a.size > _MAX_I32 for a in call.arrays):
             return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
+        if call.op == "gmm_fp8" and call.k_dim % self.tile("gmm_fp8", call.tile)[1]:
+            return f"K={call.k_dim} is not a multiple of the FP8 kernel's block_k (masked fp8 loads have no fill)"
         if call.op == "gmm_fp8" and call.block_k and self.tile("gmm_fp8", call.tile)[1] != call.block_k:
             return f"blockwise FP8 scales need block_k = their K-block {call.block_k}, tile is {call.tile}"
         if call.op == "gmm_fp8" and platform() == "cuda" and not is_hopper():

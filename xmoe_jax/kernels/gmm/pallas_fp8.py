@@ -4,7 +4,11 @@ applied per K-block or in the epilogue.
 Legend: R rows grouped by expert, K contraction, N output columns, E experts, B K-blocks of the
 scales (see xmoe_jax/fp8/operands.py), I work items (metadata.py); bm/bk/bn the tile.
 
-Same grid and masking as gmm/pallas.py's gmm (one program per (work item, N tile)). Operands:
+Same grid as gmm/pallas.py's gmm (one program per (work item, N tile)). Loads are masked to the
+group's rows and the array's columns but not filled: Triton cannot splat a fill value into an
+fp8 tensor, so masked lanes hold undefined values. That is harmless for rows and columns (an
+output element depends on its own row and column only, and masked ones are never stored) but
+not along K, so K must be a multiple of block_k (backends.py refuses other calls). Operands:
 lhs_q [R, K] and rhs_q [E, K, N] (or [E, N, K] with transpose_rhs, the K-major layout Hopper's
 FP8 tensor cores read without a shared-memory transpose), float32 scales lhs_s [R, B] and
 rhs_s [E, B, N]. With B = 1 (tensorwise and rowwise recipes) the K loop is a plain fp8 GEMM and
@@ -29,6 +33,12 @@ from xmoe_jax.kernels.gmm.metadata import make_group_metadata
 
 _NN = (((1,), (0,)), ((), ()))  # x[m,k] @ w[k,n]
 _NT = (((1,), (1,)), ((), ()))  # x[m,k] @ w[n,k].T
+
+
+def _dot(x, w, dims):
+    if x.dtype != w.dtype:  # e5m2 grads x e4m3 weights: Pallas's dot takes one element type
+        x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)  # exact, at bf16 tensor-core speed
+    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
 def _gmm_fp8_kernel(
@@ -71,24 +81,13 @@ def _gmm_fp8_kernel(
 
     def body(kt, acc):
         k0 = pl.multiple_of(kt * bk, bk)
-        k_ok = (k0 + jnp.arange(bk)) < k_dim
-        x = plgpu.load(
-            lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0
-        )
+        x = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None])
         if transpose_rhs:
-            w = plgpu.load(
-                rhs_ref.at[pl.ds(w_group * n_dim + col0, bn), pl.ds(k0, bk)],
-                mask=col_ok[:, None] & k_ok[None, :],
-                other=0,
-            )
-            part = lax.dot_general(x, w, _NT, preferred_element_type=jnp.float32)
+            w = plgpu.load(rhs_ref.at[pl.ds(w_group * n_dim + col0, bn), pl.ds(k0, bk)], mask=col_ok[:, None])
+            part = _dot(x, w, _NT)
         else:
-            w = plgpu.load(
-                rhs_ref.at[pl.ds(w_group * k_dim + k0, bk), pl.ds(col0, bn)],
-                mask=k_ok[:, None] & col_ok[None, :],
-                other=0,
-            )
-            part = lax.dot_general(x, w, _NN, preferred_element_type=jnp.float32)
+            w = plgpu.load(rhs_ref.at[pl.ds(w_group * k_dim + k0, bk), pl.ds(col0, bn)], mask=col_ok[None, :])
+            part = _dot(x, w, _NN)
         if num_kb == 1:
             return acc + part
         s_row, s_col = scales(kt)
@@ -126,6 +125,8 @@ def gmm_fp8_pallas(
     num_groups = rhs_q_EKN.shape[0]
     n_dim = rhs_q_EKN.shape[1] if transpose_rhs else rhs_q_EKN.shape[2]
     num_kb = lhs_s_RB.shape[1]
+    if k_dim % bk:
+        raise ValueError(f"K={k_dim} must be a multiple of block_k={bk} (fp8 loads cannot fill masked lanes)")
     if num_kb > 1 and num_kb != pl.cdiv(k_dim, bk):
         raise ValueError(f"block_k={bk} must equal the scales' K-block (K={k_dim}, {num_kb} blocks)")
     meta = make_group_metadata(group_sizes_E, num_rows, bm)
