@@ -76,7 +76,9 @@ def quantize(x: jax.Array, block, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(q: jax.Array, scale: jax.Array, block, out_dtype=jnp.float32) -> jax.Array:
-    """q * scale per tile, in `out_dtype`."""
+    """q * scale per tile, in `out_dtype` (a barrier keeps XLA:GPU from folding a quantize's
+    f32 -> fp8 -> f32 round trip away under xla_allow_excess_precision)."""
+    q = jax.lax.optimization_barrier(q)
     return (q.astype(jnp.float32) * expand_scale(scale, q.shape, block)).astype(out_dtype)
 
 

@@ -51,6 +51,9 @@ def gmm_fp8_xla(lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_
     `block_k` (B = 1: one scale along K). Runs anywhere, exact up to float32 rounding.
     """
     k_dim = lhs_q_RK.shape[1]
+    # the barrier keeps XLA:GPU from folding the quantize's f32 -> fp8 -> f32 round trip away
+    # (xla_allow_excess_precision); without it the on-GPU oracle multiplied unquantized values
+    lhs_q_RK, rhs_q_EKN = lax.optimization_barrier((lhs_q_RK, rhs_q_EKN))
     lhs = lhs_q_RK.astype(jnp.float32) * expand_k(lhs_s_RB, k_dim, block_k, axis=1)
     rhs = rhs_q_EKN.astype(jnp.float32) * expand_k(rhs_s_EBN, k_dim, block_k, axis=1)
     out = lax.ragged_dot(lhs, rhs, group_sizes_E, precision=lax.Precision.HIGHEST)
