@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.fp8 import context as fp8_context
+from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import gmm
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
@@ -32,11 +34,16 @@ def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Arr
 
 
 def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
-    """A plain MLP (dense layers and the shared expert); params w_[gate,up] [D,F], w_down [F,D]."""
-    dtype = x_TD.dtype
-    h_up = x_TD @ mlp["w_up"].astype(dtype)
-    h_gate = x_TD @ mlp["w_gate"].astype(dtype) if activation == "swiglu" else None
-    return _act(h_gate, h_up, activation) @ mlp["w_down"].astype(dtype)
+    """A plain MLP (dense layers and the shared expert); params w_[gate,up] [D,F], w_down [F,D].
+    FP8 GEMMs (fp8/dense.py) when the FP8 policy covers projections."""
+    dtype, recipe = x_TD.dtype, fp8_context.recipe_for("projections")
+
+    def mm(x, w):
+        return x @ w.astype(dtype) if recipe is None else dot_fp8(x, w, recipe)
+
+    h_up = mm(x_TD, mlp["w_up"])
+    h_gate = mm(x_TD, mlp["w_gate"]) if activation == "swiglu" else None
+    return mm(_act(h_gate, h_up, activation), mlp["w_down"])
 
 
 def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
@@ -53,14 +60,15 @@ def grouped_experts(x_RD: jax.Array, experts: dict, group_sizes_E: jax.Array, ac
 
     Rows past sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm`
     (the Pallas kernel on GPU, `ragged_dot` on CPU), whose backward passes are grouped
-    GEMMs too.
+    GEMMs too; FP8 grouped GEMMs (fp8/gmm.py) when the FP8 policy covers the experts.
     """
-    dtype = x_RD.dtype
+    dtype, recipe = x_RD.dtype, fp8_context.recipe_for("experts")
     gs_E = group_sizes_E.astype(jnp.int32)
-    h_up = tag(gmm(x_RD, experts["w_up"].astype(dtype), gs_E), EXPERT_HIDDEN)
-    h_gate = (
-        tag(gmm(x_RD, experts["w_gate"].astype(dtype), gs_E), EXPERT_HIDDEN)
-        if activation == "swiglu"
-        else None
-    )
-    return tag(gmm(_act(h_gate, h_up, activation), experts["w_down"].astype(dtype), gs_E), EXPERT_OUT)
+
+    def mm(x, w):
+        w = w.astype(dtype)
+        return gmm(x, w, gs_E) if recipe is None else gmm_fp8(x, w, gs_E, recipe)
+
+    h_up = tag(mm(x_RD, experts["w_up"]), EXPERT_HIDDEN)
+    h_gate = tag(mm(x_RD, experts["w_gate"]), EXPERT_HIDDEN) if activation == "swiglu" else None
+    return tag(mm(_act(h_gate, h_up, activation), experts["w_down"]), EXPERT_OUT)
