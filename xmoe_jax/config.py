@@ -308,7 +308,8 @@ class FP8Config:
     """FP8 GEMMs with current scaling (xmoe_jax/fp8): `recipe` says which tiles share a scale
     (tensorwise, rowwise, or blockwise = DeepSeek-V3's 1x128 / 128x128), `grad_format` the output
     gradients' 8-bit format. `projections`: attention q/k/v/o and the dense and shared-expert MLPs;
-    `experts`: the routed experts' grouped GEMMs (pft and rbd dispatch). Embeddings, the LM head,
+    `experts`: the routed experts' grouped GEMMs (pft and rbd dispatch); `dispatch`: pft sends the
+    routed rows in FP8 with 1x128 scales and dequantizes them on arrival. Embeddings, the LM head,
     the router, norms and attention scores stay in the compute dtype; parameters, optimizer state
     and checkpoints are unchanged, so a run resumes with FP8 switched on or off."""
 
@@ -316,13 +317,14 @@ class FP8Config:
     grad_format: FP8Format = "e4m3"
     projections: bool = True
     experts: bool = True
+    dispatch: bool = False
 
     def __post_init__(self) -> None:
         p = "model.fp8."
         _check_choices(self, p)
         _check(
-            self.projections or self.experts,
-            f"{p}projections and {p}experts are both false: set one true, or model.fp8=null for no FP8",
+            self.projections or self.experts or self.dispatch,
+            f"{p}projections, experts and dispatch are all false: set one true, or model.fp8=null for no FP8",
         )
 
 

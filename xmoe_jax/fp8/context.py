@@ -4,6 +4,7 @@
         ...                               # embedding, the LM head or the loss)
     recipe = fp8.context.recipe_for("experts")      # moe/experts.py: gmm_fp8 or gmm
     recipe = fp8.context.recipe_for("projections")  # attention q/k/v/o, dense and shared MLPs
+    recipe = fp8.context.recipe_for("dispatch")     # moe/pft.py: routed rows sent in FP8 (dispatch.py)
 
 The policy is read at trace time only (a static Python branch, never in the compiled step), so
 the backward passes do not need it: gmm_fp8 and dot_fp8 carry their recipe in their custom VJPs.
@@ -30,6 +31,7 @@ def use(cfg):
         policy = {
             "experts": recipe if cfg.experts else None,
             "projections": recipe if cfg.projections else None,
+            "dispatch": recipe if cfg.dispatch else None,
         }
     token = _POLICY.set(policy)
     try:
@@ -38,7 +40,7 @@ def use(cfg):
         _POLICY.reset(token)
 
 
-def recipe_for(kind: Literal["experts", "projections"]) -> Recipe | None:
+def recipe_for(kind: Literal["experts", "projections", "dispatch"]) -> Recipe | None:
     """The recipe for this kind of GEMM, or None (compute dtype)."""
     policy = _POLICY.get()
     return None if policy is None else policy[kind]
