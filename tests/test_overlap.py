@@ -20,9 +20,9 @@ import pytest
 from jax.extend import core as jcore
 from reference import rel_err
 
-from xmoe_jax.launch import xla_flags
 from xmoe_jax.cli import train_main
 from xmoe_jax.config import ConfigError, MeshConfig, MoEConfig, ParallelConfig
+from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe import init_moe_params, moe_layer, overlap
 from xmoe_jax.moe.stages import run
 from xmoe_jax.perf import kernel_overlap

@@ -44,6 +44,8 @@ NanPolicy = Literal["stop", "skip"]
 QKNorm = Literal["none", "head", "full"]
 AttentionType = Literal["mha", "mla"]
 RopeScalingType = Literal["yarn"]
+FP8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
+FP8Format = Literal["e4m3", "e5m2"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
@@ -379,6 +381,31 @@ class RopeScalingConfig:
 
 
 @dataclass(frozen=True)
+class FP8Config:
+    """FP8 GEMMs with current scaling (xmoe_jax/fp8): `recipe` says which tiles share a scale
+    (tensorwise, rowwise, or blockwise = DeepSeek-V3's 1x128 / 128x128), `grad_format` the output
+    gradients' 8-bit format. `projections`: attention q/k/v/o and the dense and shared-expert MLPs;
+    `experts`: the routed experts' grouped GEMMs (pft and rbd dispatch); `dispatch`: pft sends the
+    routed rows in FP8 with 1x128 scales and dequantizes them on arrival. Embeddings, the LM head,
+    the router, norms and attention scores stay in the compute dtype; parameters, optimizer state
+    and checkpoints are unchanged, so a run resumes with FP8 switched on or off."""
+
+    recipe: FP8Recipe = "blockwise"
+    grad_format: FP8Format = "e4m3"
+    projections: bool = True
+    experts: bool = True
+    dispatch: bool = False
+
+    def __post_init__(self) -> None:
+        p = "model.fp8."
+        _check_choices(self, p)
+        _check(
+            self.projections or self.experts or self.dispatch,
+            f"{p}projections, experts and dispatch are all false: set one true, or model.fp8=null for no FP8",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: first `num_dense_layers` dense, the rest MoE."""
 
@@ -423,6 +450,8 @@ class ModelConfig:
     # cross-entropy in chunks of this many sequence positions (never [B,S,V] float32 logits); 0 = whole
     loss_chunk: int = 128
     moe: MoEConfig | None = field(default_factory=MoEConfig)
+    # FP8 GEMMs (xmoe_jax/fp8): null = off; {recipe: blockwise|rowwise|tensorwise, ...} = FP8Config
+    fp8: FP8Config | None = None
 
     def __post_init__(self) -> None:
         p = "model."

@@ -5,11 +5,13 @@ Backends (`implementation=`), one object each in IMPLEMENTATIONS:
   "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
   "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
   "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
+FP8 (op "gmm_fp8", gmm/fp8_api.py): xla (the dequantizing float32 oracle) and pallas
+(gmm/pallas_fp8.py) run it; triton and mgpu say why they cannot and hand it on.
   "shapes"  shape-only stand-ins for compile-time memory planning (kernels/shapes.py), never numbers.
 
 A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,
 missing package) and why it cannot take one call (`shape_reason`: shapes, dtypes, tile), and
-runs the ops it has kernels for (`ops`): "gmm", "tgmm", and "permute" (permute, combine and
+runs the ops it has kernels for (`ops`): "gmm", "tgmm", "gmm_fp8", and "permute" (permute, combine and
 their gather-dot). `choose_backend` starts from the requested backend, or the platform's
 default (defaults.py), and walks `fallback` (mgpu -> pallas -> xla, triton -> pallas -> xla)
 past every backend that cannot run the call, with one warning per distinct reason, so a call
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 from xmoe_jax.kernels import defaults, shapes
 from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
 from xmoe_jax.kernels.gmm import pallas as gmm_pallas
+from xmoe_jax.kernels.gmm import pallas_fp8 as gmm_pallas_fp8
 from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
 from xmoe_jax.kernels.gmm import xla as gmm_xla
 from xmoe_jax.kernels.permute import pallas as permute_pallas
@@ -43,11 +46,12 @@ _MAX_I32 = 2**31 - 1
 class Call(NamedTuple):
     """The static facts of one kernel call that a backend may refuse."""
 
-    op: str  # "gmm", "tgmm" or "permute"
+    op: str  # "gmm", "tgmm", "gmm_fp8" or "permute"
     arrays: tuple  # operands and result (anything with .size and .dtype); arrays[0]'s dtype is the input's
     k_dim: int = 0  # gmm / tgmm: contraction K and output columns N
     n_dim: int = 0
     tile: tuple[int, int, int] | None = None  # the requested tile; None = the backend's default
+    block_k: int = 0  # gmm_fp8: K-block length of the scales (0: one scale along K)
 
 
 class Backend:
@@ -84,6 +88,10 @@ class Backend:
         """[E, K, N] per-group lhs.T @ grad; see gmm/api.py."""
         raise NotImplementedError(f"{self.name} has no tgmm kernel")
 
+    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
+        """[R, N] scaled FP8 grouped product; scales as xmoe_jax/fp8/operands.py lays them out."""
+        raise NotImplementedError(f"{self.name} has no gmm_fp8 kernel")
+
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         """[R, D]: out[dest[t,k]] = x[t] * weights[t,k] (weights None: 1); see permute/api.py."""
         raise NotImplementedError(f"{self.name} has no permute kernel")
@@ -101,7 +109,7 @@ class Xla(Backend):
     """jax.lax ragged dots and gathers (gmm/xla.py, permute/xla.py): the oracle and last fallback."""
 
     name = "xla"
-    ops = frozenset({"gmm", "tgmm", "permute"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute"})
 
     def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
         return gmm_xla.gmm_xla(
@@ -110,6 +118,11 @@ class Xla(Backend):
 
     def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
         return gmm_xla.tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype)
+
+    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
+        return gmm_xla.gmm_fp8_xla(
+            lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, block_k=block_k
+        )
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         return permute_xla.scatter_rows_xla(x_TD, dest_TK, weights_TK, num_rows)
@@ -125,7 +138,7 @@ class Pallas(Backend):
     """Triton-style Pallas kernels (gmm/pallas.py, permute/pallas.py); interpret mode off-GPU."""
 
     name, fallback = "pallas", "xla"
-    ops = frozenset({"gmm", "tgmm", "permute"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute"})
     gmm_kernel, tgmm_kernel = staticmethod(gmm_pallas.gmm_pallas), staticmethod(gmm_pallas.tgmm_pallas)
 
     def unavailable_reason(self):
@@ -135,6 +148,12 @@ class Pallas(Backend):
     def shape_reason(self, call):
         if any(a.size > _MAX_I32 for a in call.arrays):
             return "an operand has 2^31 or more elements (Pallas Triton offsets are 32-bit)"
+        if call.op == "gmm_fp8" and call.k_dim % self.tile("gmm_fp8", call.tile)[1]:
+            return f"K={call.k_dim} is not a multiple of the FP8 kernel's block_k (masked fp8 loads have no fill)"
+        if call.op == "gmm_fp8" and call.block_k and self.tile("gmm_fp8", call.tile)[1] != call.block_k:
+            return f"blockwise FP8 scales need block_k = their K-block {call.block_k}, tile is {call.tile}"
+        if call.op == "gmm_fp8" and platform() == "cuda" and not is_hopper():
+            return "FP8 tensor-core dots need an NVIDIA Hopper (sm_90) or newer GPU"
         return None
 
     def launch(self, op: str, tile, dtype) -> dict:
@@ -153,6 +172,13 @@ class Pallas(Backend):
         tile = self.tile("tgmm", tile)
         launch = self.launch("tgmm", tile, lhs_RK.dtype)
         return self.tgmm_kernel(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, **launch)
+
+    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
+        tile = self.tile("gmm_fp8", tile)
+        return gmm_pallas_fp8.gmm_fp8_pallas(
+            lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, tile=tile,
+            **self.launch("gmm_fp8", tile, lhs_q_RK.dtype),
+        )  # fmt: skip
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         scale_TK = jnp.ones(dest_TK.shape, jnp.float32) if weights_TK is None else weights_TK
@@ -178,7 +204,7 @@ class Triton(Pallas):
     """
 
     name, fallback = "triton", "pallas"
-    ops = frozenset({"gmm", "tgmm"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8"})  # gmm_fp8: listed so that shape_reason says why not
     gmm_kernel, tgmm_kernel = staticmethod(gmm_triton.gmm_triton), staticmethod(gmm_triton.tgmm_triton)
 
     def unavailable_reason(self):
@@ -190,6 +216,8 @@ class Triton(Pallas):
         return None
 
     def shape_reason(self, call):
+        if call.op == "gmm_fp8":
+            return "gmm/triton.py has no FP8 kernel (the Pallas backend has one)"
         return None  # 64-bit row offsets: no 2^31-element limit
 
     def launch(self, op: str, tile, dtype) -> dict:
@@ -201,7 +229,7 @@ class Mosaic(Backend):
     """JAX's Mosaic-GPU ragged dots (gmm/mgpu.py), Hopper only; permute runs on pallas."""
 
     name, fallback = "mgpu", "pallas"
-    ops = frozenset({"gmm", "tgmm"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8"})  # gmm_fp8: listed so that shape_reason says why not
 
     def unavailable_reason(self):
         if not is_hopper():
@@ -211,6 +239,8 @@ class Mosaic(Backend):
         return None
 
     def shape_reason(self, call):
+        if call.op == "gmm_fp8":
+            return "JAX's Mosaic ragged dot takes bf16/f16 operands only (no FP8 scales)"
         tile = self.tile(call.op, call.tile)
         return gmm_mgpu.shape_reason(call.op, call.arrays[0].dtype, call.k_dim, call.n_dim, tile)
 

@@ -17,21 +17,22 @@ from xmoe_jax.kernels.platform import platform
 # mgpu (JAX's untuned Mosaic ragged dots) 36-45% in fwd/dgrad, 51-70% in wgrad; XLA 1-3%.
 # Permute/combine: pallas 80-82% of device-copy bandwidth, XLA's permute 46%.
 DEFAULT_IMPLEMENTATION = {
-    "cpu": {"gmm": "xla", "tgmm": "xla", "permute": "xla"},
-    "cuda": {"gmm": "pallas", "tgmm": "pallas", "permute": "pallas"},
-    "rocm": {"gmm": "pallas", "tgmm": "pallas", "permute": "pallas"},
+    "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla"},
+    "cuda": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},
+    "rocm": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},  # fp8: untested
 }
 
 # (block_m, block_k, block_n) per (backend, platform) and op. For tgmm block_m is the chunk of
 # rows reduced per step and (block_k, block_n) the output tile. Tests pass their own tiles.
 # CUDA values: best of scripts/bench_gmm.py --sweep on one H100 (Small up-projection, bf16).
-_CUDA_TILES = {"gmm": (128, 64, 256), "tgmm": (64, 128, 256)}
-_CUDA_LAUNCH = {"gmm": (8, 4), "tgmm": (8, 3)}  # (num_warps, num_stages)
+# gmm_fp8: block_k is 128, the blockwise recipe's K-block (scripts/bench_fp8.py --sweep).
+_CUDA_TILES = {"gmm": (128, 64, 256), "tgmm": (64, 128, 256), "gmm_fp8": (128, 128, 256)}
+_CUDA_LAUNCH = {"gmm": (8, 4), "tgmm": (8, 3), "gmm_fp8": (8, 4)}  # (num_warps, num_stages)
 # ROCm: untuned guesses sized for 64 KiB of LDS; measure before trusting.
-_ROCM_TILES = {"gmm": (128, 64, 128), "tgmm": (64, 64, 128)}
-_ROCM_LAUNCH = {"gmm": (8, 2), "tgmm": (8, 2)}
+_ROCM_TILES = {"gmm": (128, 64, 128), "tgmm": (64, 64, 128), "gmm_fp8": (128, 128, 128)}
+_ROCM_LAUNCH = {"gmm": (8, 2), "tgmm": (8, 2), "gmm_fp8": (8, 2)}
 DEFAULT_TILES = {
-    ("pallas", "cpu"): {"gmm": (16, 16, 16), "tgmm": (16, 16, 16)},
+    ("pallas", "cpu"): {"gmm": (16, 16, 16), "tgmm": (16, 16, 16), "gmm_fp8": (16, 128, 16)},
     ("pallas", "cuda"): dict(_CUDA_TILES),
     ("triton", "cuda"): dict(_CUDA_TILES),
     ("mgpu", "cuda"): {"gmm": (128, 64, 128), "tgmm": (128, 64, 128)},
@@ -69,7 +70,7 @@ def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[in
     if num_stages is None or limit is None:
         return num_warps, num_stages
     bm, bk, bn = tile
-    per_stage = (bm * bk + (bk * bn if op == "gmm" else bm * bn)) * itemsize
+    per_stage = (bm * bk + (bm * bn if op == "tgmm" else bk * bn)) * itemsize
     while num_stages > 1 and num_stages * per_stage > limit:
         num_stages -= 1
     return num_warps, num_stages

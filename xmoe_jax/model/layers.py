@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xmoe_jax.config import ModelConfig
+from xmoe_jax.fp8 import context as fp8_context
+from xmoe_jax.fp8 import dot_fp8
 from xmoe_jax.model.attention import attend
 from xmoe_jax.model.norm import rms_norm
 from xmoe_jax.model.rope import rope
@@ -35,6 +37,19 @@ def param(rngs: nnx.Rngs, shape, logical, std: float, dtype) -> nnx.Param:
 def no_constraint(x: jax.Array, names) -> jax.Array:
     del names
     return x
+
+
+def project(x: jax.Array, w: jax.Array, num_in: int = 1) -> jax.Array:
+    """x[..., in] @ w[in, out] over the first `num_in` axes of w (its trailing ones are the output),
+    in x's dtype; an FP8 GEMM (fp8/dense.py) when the FP8 policy covers projections."""
+    recipe = fp8_context.recipe_for("projections")
+    w = w.astype(x.dtype)
+    in_shape, out_shape = w.shape[:num_in], w.shape[num_in:]
+    lead = x.shape[: x.ndim - num_in]
+    if recipe is None:
+        return jnp.tensordot(x, w, axes=num_in)
+    w_KN = w.reshape(math.prod(in_shape), math.prod(out_shape))
+    return dot_fp8(x.reshape(*lead, -1), w_KN, recipe).reshape(*lead, *out_shape)
 
 
 def dtypes(cfg: ModelConfig):
@@ -94,15 +109,15 @@ class Attention(nnx.Module):
         ([S], or [B,S] per row)."""
         dt = x_BSD.dtype
 
-        def project(name, spec, names):
-            y = jnp.einsum(spec, x_BSD, getattr(self, "w" + name)[...].astype(dt))
+        def project_one(name, names):  # x @ w[D, heads, K]
+            y = project(x_BSD, getattr(self, "w" + name)[...]).astype(dt)
             if self.has_bias:
                 y = y + getattr(self, "b" + name)[...].astype(dt)
             return tag(constrain(y, names), ATTN_QKV)
 
-        q_BSHK = project("q", "bsd,dhk->bshk", Q_NAMES)
-        k_BSGK = project("k", "bsd,dgk->bsgk", KV_NAMES)
-        v_BSGK = project("v", "bsd,dgk->bsgk", KV_NAMES)
+        q_BSHK = project_one("q", Q_NAMES)
+        k_BSGK = project_one("k", KV_NAMES)
+        v_BSGK = project_one("v", KV_NAMES)
         if self.has_qk_norm:
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
         q_BSHK = rope(q_BSHK, positions, self.theta, self.rope_scaling)
@@ -110,7 +125,7 @@ class Attention(nnx.Module):
 
     def out(self, o_BSHK: jax.Array, constrain=no_constraint) -> jax.Array:
         o_BSHK = tag(constrain(o_BSHK, Q_NAMES), ATTN_CORE)
-        return jnp.einsum("bshk,hkd->bsd", o_BSHK, self.wo[...].astype(o_BSHK.dtype))
+        return project(o_BSHK, self.wo[...], num_in=2)
 
     def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
         q_BSHK, k_BSGK, v_BSGK = self.qkv(x_BSD, jnp.arange(x_BSD.shape[1]), constrain)
@@ -144,11 +159,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, constrain=no_constraint) -> jax.Array:
         """SwiGLU down(silu(x @ gate) * (x @ up)) or GELU down(gelu(x @ up)); F column/row split."""
-        dt, w = x_BSD.dtype, self.weights()
+        w = self.weights()
 
         def hidden(name):
-            return tag(constrain(x_BSD @ w[name].astype(dt), ("batch", None, "mlp")), MLP_HIDDEN)
+            return tag(constrain(project(x_BSD, w[name]), ("batch", None, "mlp")), MLP_HIDDEN)
 
         h_BSF = hidden("w_up")
         h_BSF = jax.nn.silu(hidden("w_gate")) * h_BSF if self.activation == "swiglu" else jax.nn.gelu(h_BSF)
-        return tag(h_BSF @ w["w_down"].astype(dt), MLP_OUT)
+        return tag(project(h_BSF, w["w_down"]), MLP_OUT)

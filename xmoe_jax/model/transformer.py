@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xmoe_jax.config import ModelConfig, ParallelConfig
+from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.model.block import RESIDUAL, Block, constrainer
 from xmoe_jax.model.kv_cache import KVCache
 from xmoe_jax.model.layers import RMSNorm, dtypes, param
@@ -128,11 +129,12 @@ class Transformer(nnx.Module):
         constrain = constrainer(self.parallel)
         x_BSD = constrain(jnp.take(self.embed[...], tokens_BS, axis=0).astype(dt), RESIDUAL)
         stats = {}
-        for name in STACKS:
-            if hasattr(self, name):
-                x_BSD, stack_stats = self._run_stack(getattr(self, name), x_BSD)
-                if stack_stats is not None:
-                    stats[f"{name}/moe"] = stack_stats
+        with fp8_context.use(self.cfg.fp8):  # the blocks' GEMMs; never the embedding, head or loss
+            for name in STACKS:
+                if hasattr(self, name):
+                    x_BSD, stack_stats = self._run_stack(getattr(self, name), x_BSD)
+                    if stack_stats is not None:
+                        stats[f"{name}/moe"] = stack_stats
         return self.final_norm(x_BSD), stats
 
     def decode(self, tokens_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -12,6 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.fp8 import context as fp8_context
+from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
@@ -34,11 +36,16 @@ def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Arr
 
 
 def dense_mlp(x_TD: jax.Array, mlp: dict, activation: str) -> jax.Array:
-    """A plain MLP (dense layers and the shared expert); params w_[gate,up] [D,F], w_down [F,D]."""
-    dtype = x_TD.dtype
-    h_up = x_TD @ mlp["w_up"].astype(dtype)
-    h_gate = x_TD @ mlp["w_gate"].astype(dtype) if activation == "swiglu" else None
-    return _act(h_gate, h_up, activation) @ mlp["w_down"].astype(dtype)
+    """A plain MLP (dense layers and the shared expert); params w_[gate,up] [D,F], w_down [F,D].
+    FP8 GEMMs (fp8/dense.py) when the FP8 policy covers projections."""
+    dtype, recipe = x_TD.dtype, fp8_context.recipe_for("projections")
+
+    def mm(x, w):
+        return x @ w.astype(dtype) if recipe is None else dot_fp8(x, w, recipe)
+
+    h_up = mm(x_TD, mlp["w_up"])
+    h_gate = mm(x_TD, mlp["w_gate"]) if activation == "swiglu" else None
+    return mm(_act(h_gate, h_up, activation), mlp["w_down"])
 
 
 def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
@@ -146,6 +153,17 @@ def _act_down_combine_bwd(activation, res, dy_TD):
 _act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)
 
 
+def _fp8_experts(x_RD, experts: dict, gs_E, activation: str, recipe) -> jax.Array:
+    """The experts as FP8 grouped GEMMs (fp8/gmm.py: their own custom VJP and what it keeps)."""
+
+    def mm(x, w):
+        return gmm_fp8(x, w.astype(x_RD.dtype), gs_E, recipe)
+
+    h_up = tag(mm(x_RD, experts["w_up"]), EXPERT_HIDDEN)
+    h_gate = tag(mm(x_RD, experts["w_gate"]), EXPERT_HIDDEN) if activation == "swiglu" else None
+    return mm(_act(h_gate, h_up, activation), experts["w_down"])
+
+
 def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> tuple:
     names = ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
     hidden = _permute_up(x_TD, dest_TK, int(num_rows), tuple(experts[n] for n in names), gs_E)
@@ -166,10 +184,14 @@ def combined_experts(
     device: [T, D] float32. Keeps x_TD, the pre-activation hidden and the [T, K] routing for the
     backward pass (`_act_down_combine`), not the [R, D] rows or outputs."""
     gs_E = group_sizes_E.astype(jnp.int32)
-    hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
-    return tag(
-        _act_down_combine(hidden, experts["w_down"], gs_E, dest_TK, weights_TK, activation), EXPERT_OUT
-    )
+    recipe = fp8_context.recipe_for("experts")
+    with jax.named_scope("experts"):  # the name profiles and HLO metadata show
+        if recipe is not None:
+            out_RD = _fp8_experts(permute(x_TD, dest_TK, num_rows), experts, gs_E, activation, recipe)
+            return tag(combine(out_RD, dest_TK, weights_TK), EXPERT_OUT)
+        hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
+        y_TD = _act_down_combine(hidden, experts["w_down"], gs_E, dest_TK, weights_TK, activation)
+    return tag(y_TD, EXPERT_OUT)
 
 
 def grouped_experts(
@@ -187,10 +209,15 @@ def grouped_experts(
     sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm` (the Pallas kernel
     on GPU, `ragged_dot` on CPU), whose backward passes are grouped GEMMs too. What the backward
     pass keeps: x_TD and the pre-activation hidden; the permuted rows, the activation and the
-    weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`).
+    weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`). FP8 grouped GEMMs
+    (fp8/gmm.py) when the FP8 policy covers the experts.
     """
     gs_E = group_sizes_E.astype(jnp.int32)
+    recipe = fp8_context.recipe_for("experts")
     with jax.named_scope("experts"):  # the name profiles and HLO metadata show
-        hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
-        y_RD = _act_down(hidden, experts["w_down"], gs_E, activation)
+        if recipe is not None:
+            y_RD = _fp8_experts(permute(x_TD, dest_TK, num_rows), experts, gs_E, activation, recipe)
+        else:
+            hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
+            y_RD = _act_down(hidden, experts["w_down"], gs_E, activation)
     return tag(y_RD, EXPERT_OUT)

@@ -37,6 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.fp8 import context as fp8_context
+from xmoe_jax.fp8.dispatch import fp8_exchange
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
@@ -176,7 +178,10 @@ def pft_stages(
         dest_TK, sent_TK = lay.dest_TK, lay.sent_TK
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
-        x_recv_MD = tag(lay.forward(x_send_AD), EXCHANGE_IN)
+        recipe = fp8_context.recipe_for("dispatch")  # FP8 on the wire, dequantized on arrival
+        x_recv_MD = lay.forward(x_send_AD) if recipe is None else fp8_exchange(lay.forward, x_send_AD, recipe)
+        x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
+        send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
         yield "exchange", (x_recv_MD,)
         grouped_M = _grouped_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
         y_grp_MD = grouped_experts(
@@ -189,8 +194,8 @@ def pft_stages(
         stats = ExchangeStats(  # dispatch + combine: both directions carry the same rows
             num_overflow=jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32),
             recv_rows=lay.cc_PL.sum(),
-            wire_bytes=2 * row_bytes * lay.wire_rows,
-            routed_bytes=2 * row_bytes * lay.routed_rows,
+            wire_bytes=(send_row_bytes + row_bytes) * lay.wire_rows,
+            routed_bytes=(send_row_bytes + row_bytes) * lay.routed_rows,
             peak_rows=lay.peak_rows,
             buffer_rows=jnp.asarray(lay.buffer_rows, jnp.int32),
             peak_ratio=lay.peak_rows.astype(jnp.float32) / (spec.mean_rows or 1.0),

@@ -35,3 +35,26 @@ def tgmm_xla(lhs_RK, grad_RN, group_sizes_E, *, out_dtype) -> jax.Array:
         lhs_RK, grad_RN, group_sizes_E, _TGMM_DIMS, preferred_element_type=jnp.float32
     )
     return out.astype(out_dtype)
+
+
+def expand_k(s_xB, k_dim: int, block_k: int, axis: int) -> jax.Array:
+    """Scales along K repeated to one per K index (B = 1: left to broadcast)."""
+    if s_xB.shape[axis] == 1:
+        return s_xB
+    return jnp.take(s_xB, jnp.arange(k_dim) // block_k, axis=axis)
+
+
+def gmm_fp8_xla(lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, block_k) -> jax.Array:
+    """The FP8 oracle: dequantize both operands (q * scale) and run gmm in float32.
+
+    Scales as xmoe_jax/fp8/operands.py lays them out: lhs [R, B], rhs [E, B, N], B K-blocks of
+    `block_k` (B = 1: one scale along K). Runs anywhere, exact up to float32 rounding.
+    """
+    k_dim = lhs_q_RK.shape[1]
+    # the barrier keeps XLA:GPU from folding the quantize's f32 -> fp8 -> f32 round trip away
+    # (xla_allow_excess_precision); without it the on-GPU oracle multiplied unquantized values
+    lhs_q_RK, rhs_q_EKN = lax.optimization_barrier((lhs_q_RK, rhs_q_EKN))
+    lhs = lhs_q_RK.astype(jnp.float32) * expand_k(lhs_s_RB, k_dim, block_k, axis=1)
+    rhs = rhs_q_EKN.astype(jnp.float32) * expand_k(rhs_s_EBN, k_dim, block_k, axis=1)
+    out = lax.ragged_dot(lhs, rhs, group_sizes_E, precision=lax.Precision.HIGHEST)
+    return out.astype(out_dtype)
