@@ -114,3 +114,31 @@ def test_state_bytes_per_param(overrides, want):
             m.sharding == p.sharding
             for m, p in zip(moments[: len(moments) // 2], jax.tree.leaves(state.params), strict=True)
         )
+
+
+def test_breakdown_names_what_each_policy_keeps():
+    """`xmoe-plan --breakdown`: the traced program's residuals by category, per token per layer. Full
+    recomputation keeps the block inputs only; none keeps the expert hidden; on one device neither
+    keeps the [K*T, D] permuted rows nor the experts' outputs (moe/experts.py's custom VJPs)."""
+    from xmoe_jax.perf.breakdown import activation_breakdown
+
+    over = [
+        "parallel.dispatch=pft",
+        "model.moe.capacity_factor=null",
+        "model.dtype=bfloat16",
+        "model.num_dense_layers=0",
+        "model.moe.num_shared_experts=0",
+    ]
+    none = activation_breakdown(load_config(TINY, over))
+    full = activation_breakdown(load_config(TINY, [*over, "model.remat=full"]))
+    cfg = load_config(TINY, over).model
+    d, f, k = cfg.hidden, cfg.moe.expert_hidden, cfg.moe.top_k
+    n = 2 if cfg.moe.activation == "swiglu" else 1
+    assert none.per_token_per_layer("expert hidden") == pytest.approx(2 * n * k * f, rel=0.01)
+    assert none.per_token_per_layer("permuted rows / exchange") < 2 * k * d / 4
+    assert none.per_token_per_layer("combine") < 2 * k * d / 4
+    kept_full = sum(full.per_category.get(c, 0) for c in ("attention", "expert hidden", "combine"))
+    assert kept_full == 0 and full.per_token_per_layer("norms / residual stream") == pytest.approx(
+        2 * d, rel=0.05
+    )
+    assert "kept for the backward pass" in "\n".join(none.table())
