@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shape import load_shape, maxtext_overrides  # noqa: E402
+from peer_shape import load_shape, maxtext_overrides  # noqa: E402
 
 # MaxText's best dropless GPU path (issue 25): tokamax's grouped matmul, cuDNN flash attention.
 GPU_PATH = ["sparse_matmul=true", "use_tokamax_gmm=true", "attention=cudnn_flash_jax", "hardware=gpu"]

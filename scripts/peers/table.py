@@ -2,7 +2,9 @@
 MaxText from maxtext_run.py, torchtitan from titan_run.py), MFU by one formula for all, and each row's
 ratio to xmoe_jax.
 
-    python3 scripts/peers/table.py "$OUT" [--config configs/tiny_small_shape.yaml] [--json table.json]
+    python3 scripts/peers/table.py "$OUT" [--config configs/tiny_small_shape.yaml] [--json peers.json]
+
+(from the repo root: it imports xmoe_jax for the FLOPs formula)
 
 MFU = tokens/s x xmoe_jax.train.metrics.flops_per_token(the xmoe config) / the device's datasheet
 bf16 peak, for every system: the peers' gated experts of equal FLOPs (+0.9% of the step) are counted
@@ -21,7 +23,6 @@ import sys
 from pathlib import Path
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def row_of(name: str, r: dict) -> dict | None:
@@ -61,7 +62,7 @@ def row_of(name: str, r: dict) -> dict | None:
 
 
 def add_mfu(rows: list[dict], config: str) -> float:
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, os.getcwd())  # the repo root: xmoe_jax
     from xmoe_jax.config import load_config
     from xmoe_jax.train.metrics import flops_per_token, peak_tflops
 
@@ -114,17 +115,21 @@ ORDER = {"xmoe_jax": 0, "maxtext": 1, "torchtitan": 2}
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder")
-    p.add_argument("--config", default=str(ROOT / "configs" / "tiny_small_shape.yaml"))
+    p.add_argument(
+        "--config", default="configs/tiny_small_shape.yaml", help="relative to the repo root (cwd)"
+    )
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
-    rows = []
+    rows, raw = [], {}
     for path in sorted(glob.glob(os.path.join(args.folder, "*.json"))):
         if args.json and os.path.abspath(path) == os.path.abspath(args.json):
             continue
         with open(path) as f:
-            row = row_of(os.path.basename(path), json.load(f))
+            result = json.load(f)
+        row = row_of(os.path.basename(path), result)
         if row:
             rows.append(row)
+            raw[os.path.basename(path)] = result
     if not rows:
         raise SystemExit(f"{args.folder}: no result JSON (tokens_per_s) found; see the step logs there")
     rows.sort(key=lambda r: (ORDER.get(r["system"], 9), -r["tokens_per_s"]))
@@ -133,7 +138,7 @@ def main() -> None:
     print(f"model FLOPs per token (xmoe_jax formula, {args.config}): {fpt / 1e9:.4f} GFLOP")
     print(markdown(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"flops_per_token": fpt, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"flops_per_token": fpt, "rows": rows, "runs": raw}, indent=1))
 
 
 if __name__ == "__main__":

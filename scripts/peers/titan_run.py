@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shape import PeerShape, load_shape  # noqa: E402
+from peer_shape import PeerShape, load_shape  # noqa: E402
 
 FLAVOUR = "xmoe_peer"
 
