@@ -9,10 +9,11 @@
 #
 # Wheels (no internet there): scripts/peers_wheels.sh fills .whl/ (grain, jax-triton: installed for
 # xmoe_jax by scripts/gpu_env.sh) and .whl/peers/ (MaxText, torchtitan and what they import that the
-# machine lacks: installed apart in /tmp/site_peers, so xmoe_jax runs on the machine's own flax).
+# machine lacks: installed apart in /tmp/site_peers, so xmoe_jax runs on the machine's own flax;
+# PEERS_WHEELS names another folder for them).
 # pathwaysutils, xprof and Hugging Face datasets are stubbed (scripts/peers/stubs).
-# Rows (PEERS_ROWS, default all): xmoe_none xmoe_full maxtext_full maxtext_minimal titan_selective
-# titan_full titan_none16 (torchtitan without AC runs out of memory at batch 32: batch 16).
+# Rows (PEERS_ROWS, default all, in this order): xmoe_none xmoe_full maxtext_full maxtext_minimal
+# titan_selective titan_none16 titan_full (torchtitan without AC runs out of memory at batch 32: batch 16).
 # Every run has its own timeout, clipped to what is left of PEERS_BUDGET seconds (default 500).
 # CPU dry run of the harness itself (tiny config, a Python 3.12 venv holding the peers):
 #   PEERS_PYTHON=/tmp/peersvenv/bin/python PEERS_MAXTEXT_ARGS=--cpu PEERS_TITAN_ARGS="--cpu --no-compile" \
@@ -28,16 +29,17 @@ source scripts/gpu_env.sh  # OUT, PYTHONPATH (/tmp/site with grain, the repo), N
 CONFIG=${CONFIG:-configs/tiny_small_shape.yaml}
 STEPS=${STEPS:-15}
 BUDGET=${PEERS_BUDGET:-500}
-ROWS=${PEERS_ROWS:-xmoe_none xmoe_full maxtext_full maxtext_minimal titan_selective titan_full titan_none16}
+ROWS=${PEERS_ROWS:-xmoe_none xmoe_full maxtext_full maxtext_minimal titan_selective titan_none16 titan_full}
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 T0=$SECONDS
 export PYTHONUNBUFFERED=1 DECOUPLE_GCLOUD=TRUE
 
 PEERS_SITE=/tmp/site_peers
-if ls .whl/peers/*.whl >/dev/null 2>&1 && [ -z "${PEERS_PYTHON:-}" ]; then
+WHEELS=${PEERS_WHEELS:-.whl/peers}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ -z "${PEERS_PYTHON:-}" ]; then
   timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$PEERS_SITE" .whl/peers/*.whl || echo "peers wheels: install failed" | tee -a "$RUNS/steps.txt"
+    --target "$PEERS_SITE" "$WHEELS"/*.whl || echo "peers wheels: install failed" | tee -a "$RUNS/steps.txt"
 fi
 PEERS_PATH=$HERE/peers/stubs:$PEERS_SITE:$PYTHONPATH
 
@@ -75,7 +77,8 @@ titan() {  # name limit ac args...
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import jax; print("jax", jax.__version__)'
   python3 -c 'import torch; print("torch", torch.__version__)'
-  git log -1 --format='commit %H %cs' 2>/dev/null; date -u; } > "$RUNS/env.txt" 2>&1
+  git log -1 --format='commit %H %cs' 2>/dev/null && git status --short 2>/dev/null | head -20
+  date -u; } > "$RUNS/env.txt" 2>&1
 for row in $ROWS; do
   case $row in
     xmoe_none) xmoe xmoe_none 150 ;;

@@ -194,6 +194,14 @@ def main() -> None:
         t0 = time.perf_counter()
         trainer = TimedTrainer(config)
         trainer.metrics_processor.device_memory_monitor.reset_peak_stats = lambda: None
+        log = trainer.metrics_processor.log
+        losses: dict[int, float] = {}
+
+        def log_and_keep(step, global_avg_loss, *rest, **kwargs):
+            losses[step] = float(global_avg_loss)
+            return log(step, global_avg_loss, *rest, **kwargs)
+
+        trainer.metrics_processor.log = log_and_keep
         try:
             trainer.train()
         finally:
@@ -222,6 +230,8 @@ def main() -> None:
         "steps": args.steps,
         "window_steps": window,
         "step_s": step_s,
+        "first_loss": losses.get(min(losses)) if losses else None,
+        "final_loss": losses.get(max(losses)) if losses else None,
         "tokens_per_s": tokens / step_s,
         "wall_s": wall_s,
         "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
