@@ -1,0 +1,85 @@
+"""The peer harness's pure parts (scripts/peers/): the shape MaxText and torchtitan get from an
+xmoe_jax config, and the table's MFU and ratios (one FLOPs formula for every system). The runs
+themselves need MaxText, torchtitan and a GPU (scripts/bench_peers.sh; CPU dry run in its header)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "peers"))
+
+import peer_shape as shape  # noqa: E402
+
+CONFIG = ROOT / "configs" / "tiny_small_shape.yaml"
+
+
+def test_peer_shape_is_the_configs_with_equal_flop_gated_experts():
+    s = shape.load_shape(CONFIG)
+    assert (s.hidden, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (2048, 4, 16, 16, 128)
+    assert (s.num_experts, s.top_k, s.expert_hidden, s.vocab_size) == (64, 6, 1408, 50304)
+    assert (s.seq_len, s.batch_size, s.tokens_per_step) == (2048, 32, 65536)
+    assert s.gated_expert_hidden == 960  # 3 x 960 >= 2 x 1408, the next multiple of 64
+    keys = dict(k.split("=", 1) for k in shape.maxtext_overrides(s))
+    assert keys["base_moe_mlp_dim"] == "960" and keys["num_experts_per_tok"] == "6"
+    assert keys["capacity_factor"] == "-1" and keys["scan_layers"] == "false"
+    assert keys["weight_dtype"] == "float32" and keys["dtype"] == "bfloat16"
+
+
+def test_peer_shape_refuses_a_dense_layer_naming_the_field(tmp_path):
+    text = CONFIG.read_text().replace("num_dense_layers: 0", "num_dense_layers: 1")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit, match="model.num_dense_layers"):
+        shape.load_shape(bad)
+
+
+def _write(folder: Path, name: str, result: dict) -> None:
+    (folder / name).write_text(json.dumps(result))
+
+
+def test_table_one_mfu_formula_and_ratios_to_xmoe(tmp_path):
+    h100 = "NVIDIA H100 80GB HBM3"
+    gib = 2**30
+    _write(tmp_path, "xmoe_none.json", {
+        "tokens_per_s": 200_000.0, "tokens_per_step": 65536, "device": h100, "overrides": [],
+        "peak_bytes_in_use": 60 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "xmoe_full.json", {
+        "tokens_per_s": 180_000.0, "tokens_per_step": 65536, "device": h100,
+        "overrides": ["model.remat=full"], "peak_bytes_in_use": 45 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "maxtext_full.json", {
+        "system": "maxtext", "policy": "full", "batch_size": 32, "tokens_per_s": 90_000.0, "device": h100,
+        "peak_bytes_in_use": 36 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "titan_selective.json", {
+        "system": "torchtitan", "policy": "selective:op", "batch_size": 32, "tokens_per_s": 100_000.0,
+        "device": h100, "max_memory_allocated": 40 * gib, "max_memory_reserved": 48 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "notes.json", {"something": "else"})  # not a run: ignored
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "peers" / "table.py"), str(tmp_path), "--config", str(CONFIG),
+         "--json", str(out / "peers.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["file"]: r for r in json.loads((out / "peers.json").read_text())["rows"]}
+    assert set(rows) == {"xmoe_none.json", "xmoe_full.json", "maxtext_full.json", "titan_selective.json"}
+    fpt = json.loads((out / "peers.json").read_text())["flops_per_token"]
+    for r in rows.values():  # one formula: MFU / tokens/s is the same for every row
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 989e12)
+    assert rows["xmoe_none.json"]["batch"] == 32 and rows["xmoe_full.json"]["policy"] == "full"
+    assert rows["maxtext_full.json"]["speed_vs_none"] == pytest.approx(0.45)
+    assert rows["maxtext_full.json"]["mem_vs_full"] == pytest.approx(0.8)
+    assert rows["titan_selective.json"]["mem_vs_full"] == pytest.approx(48 / 45)  # torch: reserved
+    lines = proc.stdout.splitlines()
+    assert lines[2].startswith("|---") and lines[3].startswith("| xmoe_jax | none |")  # xmoe first
+    assert "48.0 reserved" in proc.stdout
