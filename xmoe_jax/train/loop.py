@@ -24,9 +24,10 @@ import jax
 import yaml
 from jax.experimental import multihost_utils
 
-from xmoe_jax import sharding, xla_flags
+from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_eval_input, make_input, provenance
+from xmoe_jax.launch import xla_flags
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import layout, rundir
