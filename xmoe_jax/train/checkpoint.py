@@ -333,13 +333,14 @@ class Checkpointer:
 
     def _write_error(self, step: int | None, e: BaseException) -> CheckpointWriteError:
         self._write_failed = True
-        pending = getattr(self._manager, "_finalize_thread", None)
-        pending = (
-            pending.map(lambda t: t.step() if t is not None and t.exception is not None else None)
-            if pending is not None
-            else None
+        thread = getattr(self._manager, "_finalize_thread", None)  # the failed background save, if any
+        failed = (
+            None
+            if thread is None
+            else thread.map(lambda t: t.step() if t is not None and t.exception is not None else None)
         )
-        which = f"step {pending if pending is not None else step}"
+        step = failed if failed is not None else step
+        which = f"step {step}" if step is not None else "a step"
         return CheckpointWriteError(
             f"checkpoint {which} could not be written to {self.directory}: {_storage_reason(e)}. The steps "
             "saved before it are intact (an incomplete step is set aside on --resume); free space or fix "
