@@ -94,7 +94,10 @@ def test_every_kernel_site_picks_its_gpu_backend(exported):
 
 def test_exported_module_holds_the_kernel_calls(exported):
     platform, calls, _ = exported
-    for name in MOE_KERNELS:
+    # on one device (CUDA's export) no exchange separates the experts from the combine: they are one
+    # custom VJP (moe/experts.py) whose weight gradient needs no gather_dot kernel
+    expected = MOE_KERNELS - ({"xmoe_gather_dot"} if NUM_DEVICES[platform] == 1 else set())
+    for name in expected:
         assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
     # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: 3 more
     # (input gradients) and 3 weight-gradient tgmms

@@ -29,7 +29,8 @@ sum. It is the larger of two stages (n = expert matrices: 3 SwiGLU, 2 GELU):
   lowered densely, every operand expanded to one masked copy per local expert:
     GEMM workspace    2 * L*M*D + 2n * L*M*F (masked gradient / hidden copies);
     expert hidden     (n + 1) * M*F (hidden recomputed per matrix, activation, gradient);
-    dispatch saved    M*D grouped buffer + A*D send buffer
+    dispatch saved    A*D send buffer (the M*D grouped buffer is regathered in the backward
+                      pass from the received rows: moe/experts.py)
                       + 2 * A*D zeroed exchange outputs (peers only);
     weights           n * L*D*F (re-laid for the GEMMs);
     output cotangent  T*D.
@@ -143,7 +144,8 @@ def stages(s: LayerShapes, grouped_gemm: str = "ragged_dot", transport: str = "e
         "experts": {
             "gemm workspace": (2 * lmd + 2 * n * lmf) * b if grouped_gemm == "ragged_dot" else 0,
             "expert hidden": (n + 1) * m_f * b,
-            "dispatch saved": (m_d + 3 * a_d if s.peers > 1 else a_d) * b,
+            # the grouped buffer M*D is no longer kept: the experts regather it from the received rows
+            "dispatch saved": (3 * a_d if s.peers > 1 else a_d) * b,
             "weights": n * ldf * b,
             "output cotangent": t_d * b,
         }
