@@ -59,3 +59,16 @@ def tiny_reference(tmp_path_factory, compile_cache):
 
     run = tmp_path_factory.mktemp("reference") / "run"
     return run, train(clirun.tiny_config(run)).losses
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_put_back():
+    """An in-process `xmoe-train` that stopped leaves the stop signals ignored (right for a process
+    about to exit); a later test and the children it starts would inherit that. Put them back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)

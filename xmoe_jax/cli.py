@@ -160,11 +160,12 @@ def train_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     watch = peers.watch(launch)  # several processes: stop when another dies
-    preemption.ignore_after_stop()  # a late stop signal must not turn status 75 into death by signal
     result, message = None, ""
     try:
         resume = args.resume or args.resume_or_start
-        result = train(cfg, resume=resume, start_if_missing=args.resume_or_start)
+        # a late stop signal must not turn status 75 into death by signal
+        with preemption.ignoring_after_stop():
+            result = train(cfg, resume=resume, start_if_missing=args.resume_or_start)
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE

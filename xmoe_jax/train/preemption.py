@@ -23,6 +23,7 @@ SIGTERM only and needs `jax.distributed`; the collective above covers any signal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -65,6 +66,20 @@ def ignore_after_stop() -> None:
     here rather than a `train()` argument."""
     global _ignore_after_stop
     _ignore_after_stop = True
+
+
+@contextlib.contextmanager
+def ignoring_after_stop():
+    """`ignore_after_stop()` for the calls inside the block only (the CLI's `train()`); the switch
+    is put back after it, so a later `train()` in the same process (tests, notebooks) restores the
+    handlers it found. Dispositions already set to ignored stay so: the process is about to exit."""
+    global _ignore_after_stop
+    before = _ignore_after_stop
+    _ignore_after_stop = True
+    try:
+        yield
+    finally:
+        _ignore_after_stop = before
 
 
 class StopSignals:
