@@ -24,6 +24,7 @@ def _cfg(run_dir, *overrides):
     return load_config(TINY, [f"train.run_dir={run_dir}", *BASE, *overrides])
 
 
+@pytest.mark.slow  # ~65 s (3 trainings); FP8 numerics in the default run: test_fp8.py, the dispatch oracle below
 def test_fp8_run_tracks_bf16_and_resumes_with_fp8_switched_on(tmp_path):
     off = train(_cfg(tmp_path / "off", "train.steps=2"))
     on = train(_cfg(tmp_path / "on", "train.steps=4", FP8))

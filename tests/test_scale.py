@@ -175,7 +175,7 @@ def _all_to_alls(model_cfg, par, mesh_cfg) -> int:
     return _compiled(model_cfg, par, mesh_cfg).as_text().count(" all-to-all(")
 
 
-@pytest.mark.parametrize("layout", ["pft", "rbd"])
+@pytest.mark.parametrize("layout", ["pft", pytest.param("rbd", marks=pytest.mark.slow)])  # rbd ~40 s
 def test_save_exchange_runs_each_exchange_as_often_as_no_recomputation(layout):
     """`save_exchange` keeps what the all-to-alls delivered: its step holds as many all-to-alls as
     `none` (forward and transpose), where `full` runs the forward exchanges again."""

@@ -179,6 +179,7 @@ def test_params_cli_prints_table(capsys):
     assert "paper units" in out and "10.06" in out
 
 
+@pytest.mark.slow  # ~45 s; text training in the default run: test_data, test_run_tokenizer; whole: the README walkthrough
 def test_loss_falls_on_text_with_metrics_file(tmp_path):
     run = tmp_path / "text"
     cfg = tiny(
