@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import pytest
 
 from xmoe_jax.config import load_config
@@ -75,7 +76,16 @@ def exported(request):
         mp.setattr(backends, "choose_backend", record_backend)
         mp.setattr(attention, "choose", record_attention)
         cfg = load_config("configs/tiny.yaml", [*OVERRIDES, f"mesh.expert={NUM_DEVICES[platform]}"])
-        module = export_train_step(cfg, platform, NUM_DEVICES[platform]).mlir_module()
+        try:
+            module = export_train_step(cfg, platform, NUM_DEVICES[platform]).mlir_module()
+        except RuntimeError as err:
+            if "No supported GPU devices found" not in str(err):
+                raise
+            # jax 0.12: Pallas's Triton lowering asks for a GPU device (or an abstract GPU mesh,
+            # not wired here yet) even when exporting from a CPU host; jax 0.10/0.11 export fine
+            pytest.skip(
+                f"jax {jax.__version__}: Pallas's Triton lowering needs a GPU device to export ({err})"
+            )
     return platform, kernel_calls(module), choices
 
 
