@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests import clirun
-from xmoe_jax.cli import _one_line_orbax_errors
+from xmoe_jax.cli import _drop_closed_loop_callbacks, _one_line_orbax_errors
 from xmoe_jax.config import CheckpointConfig
 from xmoe_jax.train import rundir
 from xmoe_jax.train.checkpoint import Checkpointer, CheckpointWriteError
@@ -67,6 +67,31 @@ def test_a_failed_background_write_is_one_line_and_the_orbax_logs_too(tmp_path, 
         record.exc_info = sys.exc_info()
     assert _one_line_orbax_errors(record)
     assert record.exc_info is None and "\n" not in logging.Formatter().format(record)
+
+
+def test_the_echoes_of_a_failed_write_are_dropped_and_other_errors_kept(monkeypatch):
+    """CI's full-disk run printed 413 lines: asyncio's "Task exception was never retrieved" copy of the
+    failed write, and ~100 "Event loop is closed" tracebacks from tensorstore writes that finished
+    after orbax closed the failed save's event loop (they reach sys.unraisablehook)."""
+    try:
+        raise ValueError(ENOSPC_TEXT)
+    except ValueError:
+        record = logging.getLogger("asyncio").makeRecord(
+            "asyncio", logging.ERROR, "f", 1, "Task exception was never retrieved", (), None
+        )
+        record.exc_info = sys.exc_info()
+    assert not _one_line_orbax_errors(record)
+
+    class Unraisable:
+        exc_type, exc_traceback, err_msg, object = RuntimeError, None, None, None
+
+    printed = []
+    monkeypatch.setattr(sys, "__unraisablehook__", printed.append)
+    closed, other = Unraisable(), Unraisable()
+    closed.exc_value, other.exc_value = RuntimeError("Event loop is closed"), RuntimeError("boom")
+    _drop_closed_loop_callbacks(closed)
+    _drop_closed_loop_callbacks(other)
+    assert printed == [other]
 
 
 def _mount(path, options: str) -> bool:

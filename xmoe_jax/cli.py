@@ -286,11 +286,25 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
     """Orbax logs each failed background write with its traceback, from several threads (a full disk
-    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each."""
-    if record.name == "absl" and record.exc_info:  # orbax logs through absl
-        record.msg, record.args = record.getMessage().splitlines()[0][:300], None
-        record.exc_info, record.exc_text = None, None
+    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each,
+    and none for asyncio's copy of a storage error orbax already logged."""
+    if record.name not in ("absl", "asyncio") or not record.exc_info:  # orbax logs through both
+        return True
+    if record.name == "asyncio" and "os_error_code" in str(record.exc_info[1]):
+        return False  # "Task exception was never retrieved": the failed write, once more
+    record.msg, record.args = record.getMessage().splitlines()[0][:300], None
+    record.exc_info, record.exc_text = None, None
     return True
+
+
+def _drop_closed_loop_callbacks(unraisable) -> None:
+    """After a failed checkpoint write orbax closes that save's event loop, and the tensorstore writes
+    still in flight call back into it: each raises "Event loop is closed" with its traceback (about
+    100 on a full disk). The failed write is reported in one line; everything else prints as usual."""
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _quiet_logging() -> None:
@@ -299,6 +313,7 @@ def _quiet_logging() -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:
         handler.addFilter(_one_line_orbax_errors)
+    sys.unraisablehook = _drop_closed_loop_callbacks
 
 
 def tokenize_main(argv: list[str] | None = None) -> int:
