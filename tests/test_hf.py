@@ -24,7 +24,8 @@ from xmoe_jax import sharding  # noqa: E402
 from xmoe_jax.cli import convert_main  # noqa: E402
 from xmoe_jax.hf.safetensors_io import Reader  # noqa: E402
 from xmoe_jax.model import functional as fmodel  # noqa: E402
-from xmoe_jax.train.weights import load_weights, read_run_config  # noqa: E402
+from xmoe_jax.train.rundir import RunDir  # noqa: E402
+from xmoe_jax.train.weights import load_weights  # noqa: E402
 
 _COMMON = dict(
     vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2
@@ -130,7 +131,7 @@ def converted(request, tmp_path_factory):
 
 def test_imported_logits_match_transformers(converted) -> None:
     arch, model, root = converted
-    cfg, step = read_run_config(root / "run", None, ["model.dtype=float32"])
+    cfg, step = RunDir(root / "run").config_at(None, ["model.dtype=float32"])
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         params, bias = load_weights(root / "run", cfg, step, mesh)
@@ -192,7 +193,7 @@ def test_deepseek_v3_mtp_module_matches_transformers_mtp_model(tmp_path) -> None
         want = mtp._project_to_logits(
             mtp.forward_layer(0, h, positions, None, input_ids=torch.tensor(following))
         )
-    cfg, step = read_run_config(tmp_path / "run", None, [])
+    cfg, step = RunDir(tmp_path / "run").config_at(None, [])
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     with jax.set_mesh(mesh):
         params, bias = load_weights(tmp_path / "run", cfg, step, mesh)
@@ -214,7 +215,7 @@ def test_exported_tokenizers_load_in_transformers(tmp_path) -> None:
 
     text = "ROMEO: héllo\n\tthe king"
     (tmp_path / "bytes").mkdir()
-    assert export_tokenizer(tmp_path / "run", "bytes", tmp_path / "bytes") == [
+    assert export_tokenizer(RunDir(tmp_path / "run").tokenizer, "bytes", tmp_path / "bytes") == [
         "tokenizer.json",
         "tokenizer_config.json",
     ]
@@ -223,7 +224,7 @@ def test_exported_tokenizers_load_in_transformers(tmp_path) -> None:
     assert tok.decode(list(text.encode())) == text
     bpe = train_bpe(documents(300), tmp_path / "bpe.json", vocab_size=300)
     (tmp_path / "bpe").mkdir()
-    export_tokenizer(tmp_path / "run", str(bpe), tmp_path / "bpe")
+    export_tokenizer(RunDir(tmp_path / "run").tokenizer, str(bpe), tmp_path / "bpe")
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
     ours = load_tokenizer(str(bpe))
     assert tok(text, add_special_tokens=False)["input_ids"] == ours.encode_batch([text])[0]

@@ -31,7 +31,8 @@ from xmoe_jax.hf import safetensors_io as st
 from xmoe_jax.hf.convert import choose_adapter, export_checkpoint, import_checkpoint, import_config
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.model import model_spec
-from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
+from xmoe_jax.train.rundir import RunDir
+from xmoe_jax.train.weights import load_weights, save_initial
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,7 @@ def _run(model: ModelConfig, run_dir: pathlib.Path) -> Config:
 
 
 def _weights(run_dir, *overrides):
-    cfg, step = read_run_config(run_dir, None, list(overrides))
+    cfg, step = RunDir(run_dir).config_at(None, list(overrides))
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         return load_weights(run_dir, cfg, step, mesh)
@@ -124,7 +125,7 @@ def _assert_bitwise(a, b) -> None:
 )  # deepseek_v2 (~10 s) is slow: deepseek_v3 holds the same MLA tensors
 def test_export_then_import_is_bitwise(arch: str, tmp_path) -> None:
     _run(MODELS[arch], tmp_path / "run")
-    assert choose_adapter(read_run_config(tmp_path / "run")[0]).model_type == arch
+    assert choose_adapter(RunDir(tmp_path / "run").config_at()[0]).model_type == arch
     export_checkpoint(tmp_path / "run", tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["model_type"] == arch and hf["architectures"] == [ADAPTERS[arch].architecture]

@@ -94,17 +94,12 @@ def test_state_bytes_per_param(overrides, want):
     """The state's breakdown from shardings alone (no compile): float32 or bfloat16 moments."""
     import jax
 
-    from xmoe_jax.model.functional import model_spec
     from xmoe_jax.plan import state_bytes_per_param
     from xmoe_jax.sharding import make_mesh
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import abstract_state, state_shardings
+    from xmoe_jax.train import state as tstate
 
     cfg = load_config(TINY, overrides)
-    mesh = make_mesh(cfg.mesh)
-    spec = model_spec(cfg.model, cfg.parallel)
-    opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-    state = abstract_state(spec, opt, state_shardings(spec, opt, mesh, cfg.mesh.fsdp))
+    state = tstate.build(cfg, make_mesh(cfg.mesh)).abstract()
     got = state_bytes_per_param(cfg, state)
     assert got == pytest.approx(want, rel=1e-3)  # moments include AdamW's step counters
     moments = jax.tree.leaves((state.opt[1][0].mu, state.opt[1][0].nu))

@@ -21,6 +21,7 @@ from xmoe_jax.cli import generate_main, train_main
 from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.data import load_tokenizer, provenance
 from xmoe_jax.data.tokenize import tokenize_to_shards
+from xmoe_jax.train.rundir import RunDir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -138,8 +139,10 @@ def test_tools_refuse_a_tokenizer_the_data_was_not_made_with(corpus, mine, tmp_p
     cfg["data"]["tokenizer"] = "bytes"
     (old / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError, match="is not the tokenizer data.path="):
-        provenance.for_tools(old, load_config(old / "config.yaml"), [])
+        provenance.for_tools(RunDir(old).tokenizer, load_config(old / "config.yaml"), [])
     fixed = provenance.for_tools(
-        old, load_config(old / "config.yaml", ["data.tokenizer=auto"]), ["data.tokenizer=auto"]
+        RunDir(old).tokenizer,
+        load_config(old / "config.yaml", ["data.tokenizer=auto"]),
+        ["data.tokenizer=auto"],
     )
     assert fixed.data.tokenizer == str(corpus / "data" / "corpus" / "tokenizer")

@@ -316,14 +316,9 @@ def test_per_layer_checkpoint_restores_into_the_stacks(tmp_path):
     ckpt_dir = tmp_path / "split" / "checkpoints"
     cfg = _step_cfg(tmp_path / "split", *over)
     with Checkpointer(ckpt_dir, cfg.checkpoint) as ckpt:
-        from xmoe_jax.model.functional import model_spec
-        from xmoe_jax.train.optimizer import make_optimizer
-        from xmoe_jax.train.state import abstract_state, state_shardings
+        from xmoe_jax.train import state as tstate
 
-        mesh = make_mesh(cfg.mesh)
-        spec = model_spec(cfg.model, cfg.parallel)
-        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        abstract = abstract_state(spec, opt, state_shardings(spec, opt, mesh)).as_dict()
+        abstract = tstate.build(cfg, make_mesh(cfg.mesh)).abstract().as_dict()
         state = ckpt.restore(abstract)
         config = ckpt.read_config(2)
     old = tmp_path / "old"

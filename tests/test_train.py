@@ -129,16 +129,11 @@ def test_non_finite_update_with_finite_loss_never_reaches_params_or_checkpoints(
     object.__setattr__(cfg.optimizer, "lr", float("inf"))
     result = train(cfg)
     assert result.skipped == [1, 2] and all(np.isfinite(v) for v in result.losses.values())
-    from xmoe_jax.model import functional as fmodel
     from xmoe_jax.sharding import make_mesh
+    from xmoe_jax.train import state as tstate
     from xmoe_jax.train.checkpoint import Checkpointer
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import abstract_state, state_shardings
 
-    mesh = make_mesh(cfg.mesh)
-    spec = fmodel.model_spec(cfg.model)
-    opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-    abstract = abstract_state(spec, opt, state_shardings(spec, opt, mesh)).as_dict()
+    abstract = tstate.build(cfg, make_mesh(cfg.mesh)).abstract().as_dict()
     with Checkpointer(tmp_path / "inf" / "checkpoints", cfg.checkpoint) as ckpt:
         assert ckpt.all_steps() == [1, 2]
         for step in (1, 2):
@@ -222,16 +217,12 @@ def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
     )
     train(cfg)
     from xmoe_jax.config import MeshConfig
-    from xmoe_jax.model import functional as fmodel
     from xmoe_jax.sharding import make_mesh
+    from xmoe_jax.train import state as tstate
     from xmoe_jax.train.checkpoint import Checkpointer
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import TrainState, abstract_state, state_shardings
+    from xmoe_jax.train.state import TrainState
 
-    mesh = make_mesh(MeshConfig(data=8))
-    spec = fmodel.model_spec(cfg.model)
-    opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-    abstract = abstract_state(spec, opt, state_shardings(spec, opt, mesh))
+    abstract = tstate.build(cfg, make_mesh(MeshConfig(data=8))).abstract()
     with Checkpointer(tmp_path / "bias" / "checkpoints", cfg.checkpoint) as ckpt:
         state = TrainState.from_dict(ckpt.restore(abstract.as_dict()))
     biases = list(state.bias["moe_layers"]["moe"]["router"]["bias"])  # one [E] row per MoE layer

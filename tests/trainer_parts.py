@@ -7,10 +7,8 @@ from typing import NamedTuple
 import jax
 
 from xmoe_jax.config import Config
-from xmoe_jax.model.functional import model_spec
 from xmoe_jax.sharding import make_mesh
-from xmoe_jax.train.optimizer import make_optimizer
-from xmoe_jax.train.state import init_state, state_shardings
+from xmoe_jax.train import state as tstate
 from xmoe_jax.train.step import batch_sharding, make_train_step
 
 
@@ -27,11 +25,9 @@ def build(cfg: Config) -> Parts:
     """Mesh, model spec, optimizer, state shardings and initial state of `cfg` (call under the mesh)."""
     mesh = make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        spec = model_spec(cfg.model, cfg.parallel)
-        opt = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, opt, mesh, cfg.mesh.fsdp)
-        state = init_state(spec, opt, cfg, mesh, shardings)
-    return Parts(mesh, spec, opt, shardings, state, batch_sharding(mesh, cfg))
+        layout = tstate.build(cfg, mesh)
+        state = layout.init(cfg, mesh)
+    return Parts(mesh, layout.spec, layout.optimizer, layout.shardings, state, batch_sharding(mesh, cfg))
 
 
 def one_step(cfg: Config, inputs, targets):

@@ -31,7 +31,6 @@ import argparse
 import json
 import logging
 import os
-import pathlib
 import sys
 import traceback
 
@@ -439,12 +438,12 @@ def generate_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.data import load_tokenizer, provenance
     from xmoe_jax.generate import SamplingConfig, generate_from_run
     from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.train.rundir import RunDir
 
     try:
-        run_dir = pathlib.Path(args.run_dir)
-        run_cfg = run_dir / "config.yaml"
-        cfg = load_config(run_cfg if run_cfg.is_file() else None, args.overrides)
-        tokenizer = load_tokenizer(provenance.for_tools(run_dir, cfg, args.overrides).data.tokenizer)
+        run = RunDir(args.run_dir)
+        cfg = run.input_config(args.step, args.overrides)  # the config of the step it generates with
+        tokenizer = load_tokenizer(provenance.for_tools(run.tokenizer, cfg, args.overrides).data.tokenizer)
         prompts = tokenizer.encode_batch(args.prompt) + [_token_ids(s) for s in args.prompt_ids]
         if not prompts:
             raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")

@@ -181,19 +181,15 @@ def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, lis
 
 def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     """Compile cfg's train step for the devices JAX has and read back its memory."""
-    from xmoe_jax.model.functional import model_spec
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import abstract_state, state_shardings
+    from xmoe_jax.train import state as tstate
     from xmoe_jax.train.step import batch_sharding, make_train_step
 
     devices = jax.device_count()
     shape = cfg.validate_for_devices(devices)
     cfg, notes = as_trained(cfg, shape, jax.devices()[0].platform == "cpu")
     mesh = sharding.make_mesh(cfg.mesh)  # adaptive buffers: as_trained planned the rung training starts on
-    spec = model_spec(cfg.model, cfg.parallel)
-    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
-    state = abstract_state(spec, optimizer, shardings)
+    layout = tstate.build(cfg, mesh)
+    spec, optimizer, shardings, state = layout.spec, layout.optimizer, layout.shardings, layout.abstract()
     data_sh = batch_sharding(mesh, cfg)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), np.int32, sharding=data_sh)
     step = make_train_step(spec, optimizer, cfg, mesh, shardings)

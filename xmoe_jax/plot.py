@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from xmoe_jax.config import ConfigError
+from xmoe_jax.train.rundir import RunDir
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise ConfigError(
             f"{run_dir} holds no metrics.jsonl; pass the run directory xmoe-train wrote (--run-dir)"
@@ -115,7 +116,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             f"{run_dir}/metrics.jsonl holds no training records yet; plot after the first log step"
         )
     plt = _pyplot()
-    out = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out = Path(out_dir) if out_dir is not None else RunDir(run_dir).plots
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "loss.png"]
     _loss_png(plt, train, evals, f"{run_dir.name}: loss", written[0])

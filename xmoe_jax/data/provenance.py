@@ -30,7 +30,7 @@ from xmoe_jax.data.tokenizer import load_tokenizer
 
 AUTO = "auto"
 BYTES = "bytes"
-COPY_DIR = "tokenizer"  # under an xmoe-tokenize output and under a run directory
+COPY_DIR = "tokenizer"  # under an xmoe-tokenize output (a run's copy: RunDir.tokenizer)
 
 
 def tokenizer_files(name: str) -> dict[str, pathlib.Path]:
@@ -165,14 +165,13 @@ def resolve(cfg: Config, *, strict: bool = True, eval_only: bool = False) -> Con
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=first.name))
 
 
-def record(run_dir: pathlib.Path, name: str, *, write: bool = True) -> None:
-    """Keeps the run's tokenizer in `<run_dir>/tokenizer/` (`write`: process 0 copies; every
+def record(dest: pathlib.Path, name: str, *, write: bool = True) -> None:
+    """Keeps the run's tokenizer in `dest` (`RunDir.tokenizer`; `write`: process 0 copies; every
     process checks). A resumed run keeps its copy and is refused if its tokenizer changed."""
-    dest = run_dir / COPY_DIR
     if dest.is_dir():
         if fingerprint(str(dest)) != fingerprint(name):
             raise ConfigError(
-                f"{run_dir} was trained with the tokenizer in {dest}, and data.tokenizer={name!r} differs; "
+                f"{dest.parent} was trained with the tokenizer in {dest}, and data.tokenizer={name!r} differs; "
                 "use that tokenizer or a new train.run_dir"
             )
         return
@@ -180,10 +179,11 @@ def record(run_dir: pathlib.Path, name: str, *, write: bool = True) -> None:
         copy_tokenizer(name, dest)
 
 
-def for_tools(run_dir: pathlib.Path, cfg: Config, overrides: list[str]) -> Config:
+def for_tools(copy: pathlib.Path, cfg: Config, overrides: list[str]) -> Config:
     """The run's config as `xmoe-eval` / `xmoe-generate` use it: `data.tokenizer` from an override,
-    else the run's copy, else the run's config (resolved: runs written before copies)."""
+    else the run's copy (`copy`: `RunDir.tokenizer`), else the run's config (resolved: runs written
+    before copies)."""
     overridden = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides)
-    if not overridden and (run_dir / COPY_DIR).is_dir():
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(run_dir / COPY_DIR)))
+    if not overridden and copy.is_dir():
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy)))
     return resolve(cfg, strict=False, eval_only=True)

@@ -35,7 +35,8 @@ from xmoe_jax.generate.sampling import SamplingConfig, sample
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.model.kv_cache import init_cache
 from xmoe_jax.resolve import exchange_devices, one_device_overrides, resolve_placement
-from xmoe_jax.train.weights import load_weights, read_run_config
+from xmoe_jax.train.rundir import RunDir
+from xmoe_jax.train.weights import load_weights
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -138,7 +139,7 @@ def generate_from_run(
     `overrides` change either (`parallel.dispatch=pft`, `mesh.expert=4`, `model.dtype=float32`)."""
     if not on_mesh:  # the user's overrides come after, so they win
         overrides = one_device_overrides() + list(overrides or [])
-    cfg, step = read_run_config(run_dir, step, overrides)
+    cfg, step = RunDir(run_dir).config_at(step, overrides)  # the config that step was written under
     cfg = generation_config(cfg)
     devices = jax.devices() if on_mesh else jax.devices()[:1]
     mesh = sharding.make_mesh(cfg.mesh, devices)

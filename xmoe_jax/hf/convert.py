@@ -42,9 +42,8 @@ from xmoe_jax.hf.mapping import (
 from xmoe_jax.hf.safetensors_io import DEFAULT_SHARD_BYTES, Reader, write_sharded
 from xmoe_jax.hf.tokenizer import export_tokenizer
 from xmoe_jax.model import functional as fmodel
-from xmoe_jax.train.weights import load_weights, read_run_config, save_initial
-
-HF_CONFIG = "hf_config.json"  # the source config.json, kept in the run directory
+from xmoe_jax.train.rundir import RunDir
+from xmoe_jax.train.weights import load_weights, save_initial
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -138,22 +137,22 @@ def import_checkpoint(hf_dir: str | Path, out_dir: str | Path, overrides: list[s
     cfg = import_config(hf, out_dir, overrides, Reader(hf_dir).keys())
     has_tokenizer = any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
     if has_tokenizer and cfg.data.tokenizer == provenance.AUTO:  # the run's tokenizer: its copy
-        tokenizer = str(Path(out_dir) / provenance.COPY_DIR)
+        tokenizer = str(RunDir(out_dir).tokenizer)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         weights = load_hf_weights(hf_dir, cfg, mesh)
         save_initial(cfg, weights, mesh)
-    shutil.copyfile(Path(hf_dir) / "config.json", Path(out_dir) / HF_CONFIG)
+    shutil.copyfile(Path(hf_dir) / "config.json", RunDir(out_dir).hf_source_config)
     if has_tokenizer:
-        provenance.copy_tokenizer(str(hf_dir), Path(out_dir) / provenance.COPY_DIR)
+        provenance.copy_tokenizer(str(hf_dir), RunDir(out_dir).tokenizer)
     return cfg
 
 
 def hf_config(cfg: Config, adapter: Adapter, run_dir: str | Path, dtype: str) -> dict:
     """config.json: the imported source's (same architecture) updated with the model's fields."""
-    source = Path(run_dir) / HF_CONFIG
+    source = RunDir(run_dir).hf_source_config
     base = json.loads(source.read_text()) if source.is_file() else {}
     if base.get("model_type") != adapter.model_type:
         base = {}
@@ -174,7 +173,7 @@ def export_checkpoint(
     (safetensors, index, tokenizer)."""
     import ml_dtypes
 
-    cfg, step = read_run_config(run_dir, step, overrides)
+    cfg, step = RunDir(run_dir).config_at(step, overrides)  # the config that step was written under
     adapter = choose_adapter(cfg, arch)
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"--dtype {dtype!r}: choose float32 (exact) or bfloat16")
@@ -190,4 +189,4 @@ def export_checkpoint(
         files = write_sharded(tensors, out_dir, max_shard_bytes)
     config = hf_config(cfg, adapter, run_dir, dtype)
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    return files + export_tokenizer(Path(run_dir), cfg.data.tokenizer, Path(out_dir))
+    return files + export_tokenizer(RunDir(run_dir).tokenizer, cfg.data.tokenizer, Path(out_dir))

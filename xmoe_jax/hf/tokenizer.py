@@ -49,9 +49,9 @@ def write_bytes_tokenizer(out_dir: pathlib.Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def export_tokenizer(run_dir: pathlib.Path, tokenizer: str, out_dir: pathlib.Path) -> list[str]:
-    """Writes the run's tokenizer into `out_dir`; returns the file names written."""
-    copy = run_dir / provenance.COPY_DIR
+def export_tokenizer(copy: pathlib.Path, tokenizer: str, out_dir: pathlib.Path) -> list[str]:
+    """Writes the run's tokenizer (its copy `copy`, `RunDir.tokenizer`, else `tokenizer`) into
+    `out_dir`; returns the file names written."""
     name = str(copy) if copy.is_dir() else tokenizer
     if name in (provenance.BYTES, provenance.AUTO):
         write_bytes_tokenizer(out_dir)

@@ -25,10 +25,8 @@ from jax.export import DisabledSafetyCheck
 
 from xmoe_jax.config import Config
 from xmoe_jax.kernels.platform import target
-from xmoe_jax.model.functional import model_spec
 from xmoe_jax.sharding import make_mesh
-from xmoe_jax.train.optimizer import make_optimizer
-from xmoe_jax.train.state import abstract_state, state_shardings
+from xmoe_jax.train import state as tstate
 from xmoe_jax.train.step import batch_sharding, make_train_step
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas kernel lowered through Triton (CUDA or ROCm)
@@ -46,10 +44,8 @@ def _train_step(cfg: Config, platform: str, num_devices: int | None):
     """(jitted step, abstract (state, batch)) of `cfg`, inside its mesh and `target(platform)`."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:num_devices])
     with target(platform), jax.set_mesh(mesh):
-        spec = model_spec(cfg.model, cfg.parallel)
-        optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
-        state = abstract_state(spec, optimizer, shardings)
+        layout = tstate.build(cfg, mesh)
+        spec, optimizer, shardings, state = layout.spec, layout.optimizer, layout.shardings, layout.abstract()
         data_sh = batch_sharding(mesh, cfg)
         tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), "int32", sharding=data_sh)
         yield (

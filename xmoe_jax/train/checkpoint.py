@@ -54,7 +54,7 @@ from xmoe_jax.config import (
     to_dict,
 )
 from xmoe_jax.launch import distributed
-from xmoe_jax.train import integrity, rundir
+from xmoe_jax.train import integrity, runlock
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str
 
@@ -241,7 +241,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def _resolve_step(self, step: int | None) -> int:
+    def resolve_step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:
             if not steps:
@@ -274,16 +274,23 @@ class Checkpointer:
             return []
         return list(_leaf_shapes(getattr(meta, "tree", meta), is_leaf=_is_meta_leaf))
 
+    def saved_config(self, step: int) -> dict | None:
+        """The config dict saved at `step`, None if it was saved without one (config=None)."""
+        if "config" not in self._saved_items(self.resolve_step(step)):
+            return None
+        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return restored["config"]
+
     def read_config(self, step: int | None = None) -> dict:
         """The config dict saved at `step` (latest if None)."""
-        step = self._resolve_step(step)
-        if "config" not in self._saved_items(step):
+        step = self.resolve_step(step)
+        saved = self.saved_config(step)
+        if saved is None:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory} has no saved config; "
                 "it was saved with config=None, so pass config= to save() to make it checkable"
             )
-        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return restored["config"]
+        return saved
 
     # -- save
 
@@ -326,7 +333,7 @@ class Checkpointer:
         manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
         items["manifest"] = ocp.args.JsonSave(manifest)
         try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
-            rundir.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
+            runlock.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
             return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
         except Exception as e:  # the write of this step, or the previous asynchronous one, failed
             raise self._write_error(step, e) from e
@@ -430,7 +437,7 @@ class Checkpointer:
         saved position. Raises `CheckpointError` if there is no checkpoint or the layout differs, and
         `DamagedCheckpointError` if orbax cannot read the step or it differs from its manifest.
         """
-        step = self._resolve_step(step)
+        step = self.resolve_step(step)
         saved = self._saved_items(step)
         if "state" not in saved:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has no 'state' item")

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xmoe_jax import sharding
-from xmoe_jax.config import Config, ConfigError, load_config
+from xmoe_jax.config import Config, ConfigError
 from xmoe_jax.data import make_eval_input, provenance
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
@@ -90,40 +90,35 @@ def evaluate_checkpoint(
     """Evaluates the checkpoint at `step` (latest if None) of a run on the run's eval data
     (its `eval:` section with `overrides` applied; an `eval.data.*` override replaces the run's
     held-out split) with the run's tokenizer (`provenance.for_tools`). Writes nothing."""
-    from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
-    from xmoe_jax.train.optimizer import make_optimizer
-    from xmoe_jax.train.state import abstract_state, state_shardings
+    from xmoe_jax.train import state as tstate
+    from xmoe_jax.train.checkpoint import check_compatible
+    from xmoe_jax.train.rundir import RunDir
 
-    run_dir = Path(run_dir)
-    config_file = run_dir / "config.yaml"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"{run_dir} holds no config.yaml; pass the run directory xmoe-train wrote (--run-dir)"
-        )
+    run = RunDir(run_dir)
+    if not run.config.is_file():
+        raise ConfigError(f"{run} holds no config.yaml; pass the run directory xmoe-train wrote (--run-dir)")
+    if not run.checkpoints.is_dir():
+        raise ConfigError(f"{run} holds no checkpoints/; train with checkpoint.enabled=true")
     overrides = list(overrides or [])
     keys = [o.split("=", 1)[0].strip() for o in overrides]
     if any(k.startswith("eval.data") for k in keys) and "eval.holdout" not in keys:
         overrides.insert(0, "eval.holdout=0")  # other data replaces the run's held-out split
-    cfg = load_config(config_file, [*overrides, f"train.run_dir={run_dir}"])
-    cfg = provenance.for_tools(run_dir, cfg, overrides)  # the run's tokenizer
+    cfg, step = run.config_at(step, overrides)  # the config that step was written under
+    cfg = provenance.for_tools(run.tokenizer, cfg, overrides)  # the run's tokenizer
     cfg.validate_for_devices(jax.device_count(), jax.process_count())
     batches = make_eval_input(cfg, process_index=jax.process_index(), process_count=jax.process_count())
     if batches is None:
         raise ConfigError(
-            f"the run in {run_dir} has no eval data (eval.holdout=0, no eval.data); pass "
+            f"the run in {run} has no eval data (eval.holdout=0, no eval.data); pass "
             "--set eval.data.path=<dataset> or --set eval.holdout=<fraction>"
         )
-    ckpt_dir = run_dir / "checkpoints"
-    if not ckpt_dir.is_dir():
-        raise ConfigError(f"{run_dir} holds no checkpoints/; train with checkpoint.enabled=true")
     mesh = sharding.make_mesh(cfg.mesh)
-    with jax.set_mesh(mesh), Checkpointer(ckpt_dir, cfg.checkpoint) as ckpt:
-        step = step if step is not None else ckpt.latest_step()
-        check_compatible(ckpt.read_config(step), cfg)
+    with jax.set_mesh(mesh), run.checkpointer(cfg) as ckpt:
+        saved = ckpt.saved_config(step)
+        if saved is not None:  # a --set model.* must not make other parameters
+            check_compatible(saved, cfg)
         cfg = resolve_placement(cfg, exchange_devices(mesh))
-        spec = fmodel.model_spec(cfg.model, cfg.parallel)
-        optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-        shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
-        abstract = abstract_state(spec, optimizer, shardings)
-        state = TrainState.from_dict(ckpt.restore(abstract.as_dict(), None, step))
+        layout = tstate.build(cfg, mesh)
+        _, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, step)
+        spec, shardings = layout.spec, layout.shardings
         return Evaluator(batches, spec, cfg, mesh, shardings).run(state, step)

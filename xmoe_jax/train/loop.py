@@ -18,19 +18,17 @@ import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
 
 import jax
-import yaml
 from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
 from xmoe_jax.data import make_eval_input, make_input, provenance
 from xmoe_jax.launch import xla_flags
-from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
-from xmoe_jax.train import layout, rundir
+from xmoe_jax.train import runlock
+from xmoe_jax.train import state as tstate
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
@@ -44,10 +42,10 @@ from xmoe_jax.train.metrics import (
     flops_per_token,
     peak_tflops,
 )
-from xmoe_jax.train.optimizer import lr_schedule, make_optimizer
+from xmoe_jax.train.optimizer import lr_schedule
 from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.profile import StepProfiler
-from xmoe_jax.train.state import TrainState, abstract_state, init_state, state_shardings
+from xmoe_jax.train.rundir import RunDir
 
 log = logging.getLogger("xmoe_jax")
 
@@ -63,44 +61,40 @@ class TrainResult:
     already_finished: bool = False  # resumed at train.steps: nothing ran
 
 
-def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool, ckpt: Checkpointer | None) -> list[int]:
+def _prepare_run_dir(cfg: Config, run: RunDir, resume: bool, ckpt: Checkpointer | None) -> list[int]:
     """Returns the steps to resume from, newest first ([] = fresh); refuses to overwrite a run."""
     if resume:  # reliability: only steps whose metadata and manifest check out
         candidates = ckpt.resume_candidates() if ckpt is not None else []
         if not candidates:
-            _check_nothing_to_resume(cfg, run_dir)
-            log.info("no checkpoint in %s: starting at step 0", run_dir / "checkpoints")
+            _check_nothing_to_resume(cfg, run)
+            log.info("no checkpoint in %s: starting at step 0", run.checkpoints)
         return candidates
     latest = ckpt.latest_step() if ckpt is not None else None
     if latest is not None:
         raise ConfigError(
-            f"{run_dir} already holds a run (checkpoint at step {latest}); pass --resume to continue "
+            f"{run} already holds a run (checkpoint at step {latest}); pass --resume to continue "
             "it or set train.run_dir to a new directory"
         )
-    if (run_dir / "metrics.jsonl").exists():
+    if run.metrics.exists():
         raise ConfigError(
-            f"{run_dir} already holds metrics.jsonl from another run; set train.run_dir to a new "
+            f"{run} already holds metrics.jsonl from another run; set train.run_dir to a new "
             "directory (or pass --resume to append)"
         )
     return []
 
 
-def _check_nothing_to_resume(cfg: Config, run_dir: Path) -> None:
+def _check_nothing_to_resume(cfg: Config, run: RunDir) -> None:
     """`--resume` found no checkpoint: start at step 0, unless that would write over a run that
     never could be resumed (it saved no checkpoints) or that trained another model."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.is_file():
+    saved = run.read_start_config()
+    if saved is None:
         return
-    try:
-        saved = yaml.safe_load(saved_path.read_text()) or {}
-    except (OSError, ValueError, yaml.YAMLError):
-        saved = {}
-    fix = f"set train.run_dir to a new directory, or remove {run_dir} if you no longer need that run"
+    fix = f"set train.run_dir to a new directory, or remove {run} if you no longer need that run"
     if not isinstance(saved, dict):
         return
     if (saved.get("checkpoint") or {}).get("enabled") is False:
         raise ConfigError(
-            f"--resume: {run_dir} holds a run that saved no checkpoints (checkpoint.enabled=false), so "
+            f"--resume: {run} holds a run that saved no checkpoints (checkpoint.enabled=false), so "
             f"there is nothing to resume, and starting over would write over it; {fix}"
         )
     old = json.loads(json.dumps(saved.get("model") or {}))
@@ -109,7 +103,7 @@ def _check_nothing_to_resume(cfg: Config, run_dir: Path) -> None:
     if diff:
         was = ", ".join(f"model.{k}={old.get(k)} there, {new.get(k)} here" for k in diff[:3])
         raise ConfigError(
-            f"--resume: {run_dir} holds a run of another model ({was}) and no checkpoint, so starting "
+            f"--resume: {run} holds a run of another model ({was}) and no checkpoint, so starting "
             f"over would write over it; {fix}"
         )
 
@@ -137,10 +131,10 @@ def train(cfg: Config, *, resume: bool = False, start_if_missing: bool = False) 
     num_processes, process_index = jax.process_count(), jax.process_index()
     cfg.validate_for_devices(jax.device_count(), num_processes)
     cfg = provenance.resolve(cfg)  # data.tokenizer: the data's own, or refused if it differs
-    run_dir = Path(cfg.train.run_dir)
-    if resume and not start_if_missing and not run_dir.exists():
+    run = RunDir(cfg.train.run_dir)
+    if resume and not start_if_missing and not run.root.exists():
         raise ConfigError(
-            f"--resume: train.run_dir={run_dir} does not exist, so there is nothing to resume; check the "
+            f"--resume: train.run_dir={run} does not exist, so there is nothing to resume; check the "
             "path, or pass --resume-or-start instead (a first submission of a job that resumes itself)"
         )
     data_iter = make_input(
@@ -153,19 +147,20 @@ def train(cfg: Config, *, resume: bool = False, start_if_missing: bool = False) 
         holdout=cfg.eval.holdout,
     )
     eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
-    ckpt_dir = run_dir / "checkpoints" if cfg.checkpoint.enabled else None
-    lock = rundir.claim(run_dir, process_index == 0, ckpt_dir)  # reliability: writable, one writer at a time
+    ckpt_dir = run.checkpoints if cfg.checkpoint.enabled else None
+    lock = runlock.claim(
+        run.root, process_index == 0, ckpt_dir
+    )  # reliability: writable, one writer at a time
     try:
-        return _start(cfg, run_dir, data_iter, resume, eval_data)
+        return _start(cfg, run, data_iter, resume, eval_data)
     finally:
         lock.release()
 
 
-def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> TrainResult:
+def _start(cfg: Config, run: RunDir, data_iter, resume: bool, eval_data) -> TrainResult:
     num_processes, process_index = jax.process_count(), jax.process_index()
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
-    candidates = _prepare_run_dir(cfg, run_dir, resume, ckpt)
+    ckpt = Checkpointer(run.checkpoints, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
+    candidates = _prepare_run_dir(cfg, run, resume, ckpt)
     start = candidates[0] if candidates else None
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
@@ -181,10 +176,10 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> Tr
     if num_processes > 1:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("xmoe_jax: run directory checked")
     is_main = process_index == 0
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run.root.mkdir(parents=True, exist_ok=True)
     if is_main and start is None:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    provenance.record(run_dir, cfg.data.tokenizer, write=is_main)  # <run_dir>/tokenizer: for the tools
+        run.write_config(cfg)
+    provenance.record(run.tokenizer, cfg.data.tokenizer, write=is_main)  # the run's copy: for the tools
 
     # -- build
     mesh = sharding.make_mesh(cfg.mesh)
@@ -197,43 +192,24 @@ def _start(cfg: Config, run_dir: Path, data_iter, resume: bool, eval_data) -> Tr
         " ".join(f"{name}={size}" for name, size in mesh.shape.items()),
     )
     with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
-        return _run(cfg, mesh, ckpt, candidates, data_iter, run_dir, is_main, stop, eval_data)
-
-
-def _restore(ckpt: Checkpointer, abstract: TrainState, shardings: TrainState, data_iter, candidates, cfg):
-    """(step, state): the newest candidate step that restores intact (reliability: damaged newer ones
-    are moved aside); a checkpoint of the per-layer layout is read into the layer stacks."""
-    num_dense = cfg.model.num_dense_layers
-    if not layout.is_per_layer(ckpt.saved_state_paths(candidates[0])):
-        step, tree = ckpt.restore_first_intact(abstract.as_dict(), data_iter, candidates)
-        return step, TrainState.from_dict(tree)
-    target = layout.per_layer_target(abstract.as_dict(), num_dense)
-    step, tree = ckpt.restore_first_intact(target, data_iter, candidates)
-    log.info(
-        "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore", step
-    )
-    return step, jax.device_put(TrainState.from_dict(layout.stack_per_layer(tree, num_dense)), shardings)
+        return _run(cfg, mesh, ckpt, candidates, data_iter, run, is_main, stop, eval_data)
 
 
 def _run(
-    cfg: Config, mesh, ckpt, candidates, data_iter, run_dir: Path, is_main: bool, stop, eval_data=None
+    cfg: Config, mesh, ckpt, candidates, data_iter, run: RunDir, is_main: bool, stop, eval_data=None
 ) -> TrainResult:
-    ckpt_dir = run_dir / "checkpoints"
     placed = resolve_placement(cfg, exchange_devices(mesh))  # steps build on this; cfg is what the run saves
-    spec = fmodel.model_spec(placed.model, placed.parallel)
-    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    shardings = state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp)
+    layout = tstate.build(placed, mesh)
+    spec, optimizer, shardings = layout.spec, layout.optimizer, layout.shardings
     start = None
     if not candidates:
         log.info("initialising the parameters...")
-        state = init_state(spec, optimizer, cfg, mesh, shardings)
-    else:
-        start, state = _restore(
-            ckpt, abstract_state(spec, optimizer, shardings), shardings, data_iter, candidates, cfg
-        )
-        log.info("resumed from %s at step %d", ckpt_dir, start)
+        state = layout.init(cfg, mesh)
+    else:  # reliability: the newest intact candidate
+        start, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, candidates, data_iter)
+        log.info("resumed from %s at step %d", run.checkpoints, start)
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
-        rundir.trim_metrics(run_dir, start or 0)
+        run.trim_metrics(start or 0)
     step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
     ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
@@ -244,9 +220,9 @@ def _run(
     meter = Throughput(
         tokens_per_step, flops_per_token(cfg.model, cfg.train.seq_len), jax.device_count(), peak
     )
-    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
+    logger = MetricsLogger(run.root, cfg.train.steps, enabled=is_main, tensorboard=cfg.train.tensorboard)
     evaluator = Evaluator.for_training(placed, spec, mesh, shardings, eval_data)  # [eval] None: no eval
-    profiler = StepProfiler(cfg.train.profile_steps, run_dir)  # [profile]
+    profiler = StepProfiler(cfg.train.profile_steps, run.root)  # [profile]
     xla_flags.check_scheduler(cfg.parallel.xla_scheduler, jax.default_backend())  # warns if not in effect
     losses: dict[int, float] = {}
     records: list[dict] = []

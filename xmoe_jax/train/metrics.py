@@ -25,6 +25,7 @@ import numpy as np
 
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.params import count_params
+from xmoe_jax.train.rundir import RunDir
 
 # peak dense bf16 TFLOP/s per device (one GCD for MI250X), by jax device_kind prefix
 PEAK_TFLOPS = {
@@ -122,13 +123,13 @@ class MetricsLogger:
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self._file = self.path.open("a") if enabled else None
         self._tensorboard = None
         if enabled and tensorboard:
             from xmoe_jax.train.tensorboard import TensorBoardWriter
 
-            self._tensorboard = TensorBoardWriter(Path(run_dir) / "tensorboard")
+            self._tensorboard = TensorBoardWriter(RunDir(run_dir).tensorboard)
 
     def log(self, record: dict, eta_s: float | None = None) -> None:
         if not self.enabled:

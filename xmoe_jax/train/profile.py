@@ -16,13 +16,15 @@ from pathlib import Path
 
 import jax
 
+from xmoe_jax.train.rundir import RunDir
+
 log = logging.getLogger("xmoe_jax")
 
 
 class StepProfiler:
     def __init__(self, steps: tuple[int, int] | None, run_dir: Path):
         self._steps = steps
-        base = Path(run_dir) / "profile"
+        base = RunDir(run_dir).profile
         self.directory = base if jax.process_count() == 1 else base / f"process_{jax.process_index()}"
         self._active = False
 

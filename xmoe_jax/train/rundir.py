@@ -1,298 +1,145 @@
-"""The run directory: writable, one writer at a time, and a metrics file that matches the resume.
+"""A run on disk: every path of a run directory, and the config each of its steps ran under.
 
-`claim(run_dir)` runs before anything compiles:
-  1. the directory must be a directory we can write (a file, or a read-only or forbidden
-     path, is a `ConfigError` naming the path and the fix);
-  2. process 0 takes the lock `<run_dir>/run.lock` (created with O_EXCL; it holds the
-     holder's host, pid, PID namespace, boot id, process start time and SLURM job) and
-     refreshes its time stamp every `REFRESH_S` seconds from a daemon thread; every process
-     learns the outcome.
-A lock is stale, and is taken over with a warning, when its holder is provably gone: on this
-host, in this PID namespace and boot, its pid no longer runs (or runs another program: the
-start time differs); it belongs to an earlier run of this same SLURM job (a requeue); or it has
-not been refreshed for `STALE_AFTER_S` seconds (the only test for a holder on another host, in
-another PID namespace or before a reboot: a pid means nothing there). Otherwise the second
-trainer stops, naming the holder.
-The takeover is a compare-and-swap (`_take_over`): rename the stale file to a name of our own,
-check it is the very file judged stale (inode, time stamp, content), else put it back; so of
-several trainers that find one stale lock at once exactly one removes it.
+    <run_dir>/
+      config.yaml              the config the run started with (a human's copy; see below)
+      metrics.jsonl            one record per step (and eval records); `trim_metrics` on resume
+      metrics.discarded.jsonl  records of steps a kill lost, moved aside
+      checkpoints/<step>/      orbax steps, each with the config it was written under
+      tokenizer/               the run's copy of its tokenizer (data/provenance.py)
+      hf_config.json           an imported model's source config.json (hf/convert.py)
+      tensorboard/ profile/ plots/
+      run.lock                 one writer at a time (runlock.py)
 
-`trim_metrics(run_dir, step)`: on resume, the records after the restored step (steps a hard
-kill lost, which the run now recomputes) move to `metrics.discarded.jsonl`, so
-`metrics.jsonl` keeps one record per step.
+Which config a step ran under: a resume may change the config (a longer schedule, another top_k),
+so `config.yaml` describes the run's start only. Every checkpoint saves its own config, and the tools
+(`xmoe-eval`, `xmoe-generate`, `xmoe-convert export`) read that one (`RunDir.config_at`); runs whose
+checkpoints hold no config fall back to `config.yaml`.
+
+Light on purpose (no JAX at import): `xmoe-plot` and the CLI's start-up read paths from here.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import logging
 import os
-import socket
-import sys
-import threading
-import time
-import uuid
 from pathlib import Path
 
-from xmoe_jax.config import ConfigError
-from xmoe_jax.launch import distributed
+import yaml
+
+from xmoe_jax.config import Config, ConfigError, from_dict, load_config, migrate_dict, override_dict, to_dict
 
 log = logging.getLogger("xmoe_jax")
 
-LOCK_NAME = "run.lock"
-REFRESH_S = 30.0
-STALE_AFTER_S = 300.0
+CONFIG_NAME = "config.yaml"
+METRICS_NAME = "metrics.jsonl"
 DISCARDED_METRICS = "metrics.discarded.jsonl"
+LOCK_NAME = "run.lock"
+TOKENIZER_NAME = "tokenizer"
+HF_SOURCE_NAME = "hf_config.json"
 
 
-# ----------------------------------------------------------------------------- checks
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    root: Path  # a str is taken too
 
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
 
-def probe_write(directory: Path) -> None:
-    """Creates and removes a file in `directory`: the one test a read-only mount cannot pass
-    (`os.access` says yes to root there). Raises the `OSError`."""
-    probe = directory / f".write-test.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    os.unlink(probe)
+    config = property(lambda self: self.root / CONFIG_NAME)
+    metrics = property(lambda self: self.root / METRICS_NAME)
+    discarded_metrics = property(lambda self: self.root / DISCARDED_METRICS)
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    tokenizer = property(lambda self: self.root / TOKENIZER_NAME)
+    tensorboard = property(lambda self: self.root / "tensorboard")
+    profile = property(lambda self: self.root / "profile")
+    plots = property(lambda self: self.root / "plots")
+    lock = property(lambda self: self.root / LOCK_NAME)
+    hf_source_config = property(lambda self: self.root / HF_SOURCE_NAME)
 
+    def __str__(self) -> str:
+        return str(self.root)
 
-def check_writable(run_dir: Path, name: str = "train.run_dir") -> None:
-    """Creates `run_dir` if needed and proves it writable; a `ConfigError` names what is wrong."""
-    fix = "set train.run_dir to a writable directory"
-    where = f"train.run_dir={run_dir}" if name == "train.run_dir" else f"{name} {run_dir}"
-    for parent in (run_dir, *run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"{where}: {parent} is a file, not a directory; {fix}")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe_write(run_dir)
-    except OSError as e:
-        if name != "train.run_dir":
-            fix = "fix its permissions or mount (a read-only or full file system?), or " + fix
-        raise ConfigError(f"{where} is not writable ({e.strerror or e}); {fix}") from e
+    # -- the config
 
+    def write_config(self, cfg: Config) -> None:
+        self.config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-# ----------------------------------------------------------------------------- the lock
+    def read_start_config(self):
+        """config.yaml as written at the start (any YAML value; {} if unreadable), None if absent."""
+        if not self.config.is_file():
+            return None
+        try:
+            return yaml.safe_load(self.config.read_text()) or {}
+        except (OSError, ValueError, yaml.YAMLError):
+            return {}
 
+    def holds_run(self) -> bool:
+        return self.checkpoints.exists() or self.config.exists()
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 counted from the pid
+    def checkpointer(self, cfg: Config | None = None):
+        """The run's `Checkpointer` for reading (a `CheckpointError` if it saved none)."""
+        from xmoe_jax.train.checkpoint import Checkpointer, CheckpointError  # orbax: only when read
 
+        if not self.checkpoints.is_dir():
+            raise CheckpointError(
+                f"{self.root} has no checkpoints/ directory; pass the train.run_dir of a run that saved "
+                "checkpoints (checkpoint.enabled=true)"
+            )
+        return Checkpointer(self.checkpoints, (cfg or Config()).checkpoint)
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+    def config_at(self, step: int | None = None, overrides: list[str] | None = None) -> tuple[Config, int]:
+        """(the Config checkpoint `step` (latest if None) was written under, with dotted `overrides`
+        applied and train.run_dir set to this directory; the step). A checkpoint without a saved
+        config (written with config=None) falls back to config.yaml."""
+        with self.checkpointer() as ckpt:
+            step = ckpt.resolve_step(step)  # a `CheckpointError` naming the steps there are
+            saved = ckpt.saved_config(step)
+        run_dir = [f"train.run_dir={self.root}"]
+        if saved is None:
+            if not self.config.is_file():
+                raise ConfigError(
+                    f"checkpoint step {step} in {self.checkpoints} saved no config and {self.config} is "
+                    "missing; pass the run directory xmoe-train wrote (--run-dir)"
+                )
+            return load_config(self.config, [*(overrides or []), *run_dir]), step
+        return from_dict(override_dict(migrate_dict(saved), [*(overrides or []), *run_dir])), step
 
+    def input_config(self, step: int | None = None, overrides: list[str] | None = None) -> Config:
+        """The config a tool checks its input with (prompts, tokenizer) before it reads weights:
+        `config_at(step)` when the run has checkpoints, else config.yaml (defaults without one),
+        so a bad flag is named first and a missing checkpoint after."""
+        if self.checkpoints.is_dir():
+            return self.config_at(step, overrides)[0]
+        return load_config(self.config if self.config.is_file() else None, overrides)
 
-def _read_or_none(read) -> str | None:
-    try:
-        return read()
-    except OSError:
-        return None
+    # -- metrics
 
-
-def _namespace() -> dict:
-    """This process's PID namespace and the kernel's boot: a pid is only comparable within both."""
-    return {
-        "pid_ns": _read_or_none(lambda: os.readlink("/proc/self/ns/pid")),
-        "boot_id": _read_or_none(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip()),
-    }
-
-
-def _me() -> dict:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        **_namespace(),
-        "start_time": _start_time(os.getpid()),
-        "slurm_job": os.environ.get("SLURM_JOB_ID"),
-        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        "command": " ".join(sys.argv)[:300],
-        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
-def _stale_reason(holder: dict, age_s: float) -> str | None:
-    """Why the lock's holder is provably gone, or None if it may still run."""
-    me = _me()
-    same_pids = all(holder.get(k) is not None and holder.get(k) == me[k] for k in ("pid_ns", "boot_id"))
-    if holder.get("host") == me["host"] and same_pids:  # elsewhere a pid means nothing: the age decides
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or not _pid_alive(pid):
-            return f"its process {pid} no longer runs"
-        started = _start_time(pid)
-        if holder.get("start_time") and started and started != holder["start_time"]:
-            return f"pid {pid} now belongs to another process"
-        return None
-    if me["slurm_job"] and holder.get("slurm_job") == me["slurm_job"]:
-        if int(holder.get("slurm_restart") or 0) < me["slurm_restart"]:
-            return "it belongs to an earlier run of this SLURM job (requeued)"
-    if age_s > STALE_AFTER_S:
-        return f"its holder on {holder.get('host')} has not refreshed it for {age_s:.0f} s"
-    return None
-
-
-def _describe(holder: dict, age_s: float) -> str:
-    if not holder:
-        return f"an empty or half-written lock (a trainer starting now, or one killed as it started), modified {age_s:.0f} s ago"
-    job = f", SLURM job {holder['slurm_job']}" if holder.get("slurm_job") else ""
-    return (
-        f"pid {holder.get('pid')} on host {holder.get('host')}{job}, running since {holder.get('since')} "
-        f"({holder.get('command', '?')!r}); lock refreshed {age_s:.0f} s ago"
-    )
-
-
-class RunLock:
-    """`<run_dir>/run.lock`, held while this process trains in `run_dir` (see the module docstring)."""
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_NAME
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._held = False
-
-    def acquire(self) -> None:
-        """Takes the lock or raises `ConfigError` naming its holder."""
-        for _ in range(3):  # a takeover races at most with other takeovers
+    def trim_metrics(self, step: int) -> None:
+        """Moves the records of metrics.jsonl after `step` (and a torn last line) aside: on resume,
+        steps a hard kill lost run again, so metrics.jsonl keeps one record per step."""
+        path = self.metrics
+        if not path.exists():
+            return
+        keep, drop = [], []
+        for line in path.read_text().splitlines(keepends=True):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(_me(), f)
-            self._held = True
-            self._thread = threading.Thread(target=self._refresh, name="xmoe-run-lock", daemon=True)
-            self._thread.start()
+                after = not line.endswith("\n") or json.loads(line)["step"] > step
+            except (ValueError, KeyError, TypeError):
+                after = True
+            (drop if after else keep).append(line)
+        if not drop:
             return
-        raise ConfigError(f"could not take the run directory lock {self.path}; try again")
-
-    def _take_over_if_stale(self) -> None:
-        try:
-            raw = self.path.read_bytes()
-            seen = os.stat(self.path)
-        except FileNotFoundError:
-            return  # released meanwhile: try again
-        age = time.time() - seen.st_mtime
-        try:
-            holder = json.loads(raw)
-            holder = holder if isinstance(holder, dict) else {}
-        except ValueError:
-            holder = {}  # half-written: judge by age
-        reason = _stale_reason(holder, age) if holder else ("unreadable" if age > 10 else None)
-        if reason is None:
-            raise ConfigError(
-                f"{self.path.parent} is in use by another trainer: {_describe(holder, age)}. Wait for it "
-                f"to finish, stop it, or set train.run_dir to another directory; if that process is gone "
-                f"(for example its node failed), remove {self.path}"
-            )
-        if self._take_over(raw, seen):
-            log.warning("took over the run directory lock %s: %s", self.path, reason)
-
-    def _take_over(self, raw: bytes, seen: os.stat_result) -> bool:
-        """Removes the stale lock only if `path` still is the file judged stale (compare-and-swap):
-        rename it to a name of our own, compare, and put back a file that is not it."""
-        aside = self.path.with_name(
-            f"{LOCK_NAME}.stale.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+        with self.discarded_metrics.open("a") as f:
+            f.writelines(x if x.endswith("\n") else x + "\n" for x in drop)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+        log.warning(
+            "metrics.jsonl: %d record(s) after step %d (steps lost when the run was stopped; they run "
+            "again) moved to %s",
+            len(drop),
+            step,
+            self.discarded_metrics,
         )
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False  # another taker removed it first
-        got = os.stat(aside)
-        same = (got.st_dev, got.st_ino, got.st_mtime_ns) == (seen.st_dev, seen.st_ino, seen.st_mtime_ns)
-        if same and aside.read_bytes() == raw:
-            aside.unlink()
-            return True
-        try:  # a fresh lock another trainer made (or the holder refreshed it): put it back, never over another
-            os.link(aside, self.path)
-        except FileExistsError:
-            log.error(
-                "%s: moved a live trainer's lock aside while a third trainer took the lock; two trainers "
-                "may now share %s (see %s)",
-                self.path,
-                self.path.parent,
-                aside,
-            )
-            return False
-        aside.unlink()
-        return False
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(REFRESH_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
-
-    def release(self) -> None:
-        if not self._held:
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(self.path.read_text()).get("pid") == os.getpid():
-                self.path.unlink()
-        self._held = False
-
-
-def claim(run_dir: Path, is_main: bool, checkpoints: Path | None = None) -> RunLock:
-    """Checks `run_dir` (and the `checkpoints` folder, if given) on every process and takes the lock
-    on process 0; if any of that fails, every process raises a `ConfigError` naming it. Release the
-    returned lock when the run ends."""
-    lock = RunLock(run_dir)
-    error = ""
-    try:
-        check_writable(run_dir)
-        if is_main:
-            lock.acquire()
-        if checkpoints is not None:  # a read-only checkpoints/ would otherwise surface at the first save
-            check_writable(checkpoints, "the checkpoint folder")
-    except ConfigError as e:
-        error = str(e)
-    errors = distributed.gather_errors("run-dir", error)
-    if errors:
-        lock.release()
-        raise ConfigError(error or "; ".join(f"process {i}: {e}" for i, e in sorted(errors.items())))
-    return lock
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def trim_metrics(run_dir: Path, step: int) -> None:
-    """Moves the records of `metrics.jsonl` after `step` (and a torn last line) aside."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    keep, drop = [], []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            after = not line.endswith("\n") or json.loads(line)["step"] > step
-        except (ValueError, KeyError, TypeError):
-            after = True
-        (drop if after else keep).append(line)
-    if not drop:
-        return
-    with (path.parent / DISCARDED_METRICS).open("a") as f:
-        f.writelines(x if x.endswith("\n") else x + "\n" for x in drop)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
-    log.warning(
-        "metrics.jsonl: %d record(s) after step %d (steps lost when the run was stopped; they run again) "
-        "moved to %s",
-        len(drop),
-        step,
-        path.parent / DISCARDED_METRICS,
-    )

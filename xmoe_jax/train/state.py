@@ -8,11 +8,17 @@
 
 Checkpoints hold `as_dict()` (the plain-dict layout every earlier version wrote), so
 old checkpoints restore into this class unchanged.
+
+`build(cfg, mesh)` is the one place a config becomes a train state's layout (model spec ->
+optimizer -> shardings); `StateLayout.init` makes step 0 and `restore` reads a checkpoint into it,
+layouts written before layer stacks included. The trainer, the evaluator, the weights tools (HF
+export, generation, import) and the planner all start here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -22,6 +28,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax.config import Config
 from xmoe_jax.model import functional as fmodel
+from xmoe_jax.train import layout
+from xmoe_jax.train.optimizer import make_optimizer
+
+log = logging.getLogger("xmoe_jax")
 
 
 @jax.tree_util.register_dataclass
@@ -83,3 +93,52 @@ def init_state(
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     rng = jax.device_put(jax.random.key_data(rng), shardings.rng)
     return TrainState(step=step, params=params, bias=bias, opt=opt, rng=rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """What a train state is for one config on one mesh."""
+
+    spec: fmodel.ModelSpec
+    optimizer: Any  # optax.GradientTransformation
+    shardings: TrainState  # of NamedSharding
+
+    def abstract(self) -> TrainState:
+        """ShapeDtypeStructs with their shardings: what restores and lowering target."""
+        return abstract_state(self.spec, self.optimizer, self.shardings)
+
+    def init(self, cfg: Config, mesh: Mesh, weights=None) -> TrainState:
+        """Step 0 (`init_state`): fresh or given (params, bias)."""
+        return init_state(self.spec, self.optimizer, cfg, mesh, self.shardings, weights=weights)
+
+
+def build(cfg: Config, mesh: Mesh) -> StateLayout:
+    """The train state's layout for `cfg` (placement resolved: `resolve.resolve_placement`) on `mesh`."""
+    spec = fmodel.model_spec(cfg.model, cfg.parallel)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    return StateLayout(spec, optimizer, state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp))
+
+
+def restore(ckpt, state: StateLayout, num_dense_layers: int, steps: int | list[int], data_iter=None):
+    """(step, TrainState) read from `ckpt` (a `Checkpointer`) onto `state`'s shardings.
+
+    `steps` a list (the trainer's resume candidates, newest first): the newest that restores intact,
+    damaged newer ones set aside, the data iterator restored with it. `steps` an int (the tools):
+    exactly that step, nothing moved. A checkpoint with one subtree per layer (written before layer
+    stacks) is read into the stacks."""
+    first = steps[0] if isinstance(steps, list) else steps
+    target = state.abstract().as_dict()
+    per_layer = layout.is_per_layer(ckpt.saved_state_paths(first))
+    if per_layer:
+        target = layout.per_layer_target(target, num_dense_layers)
+    if isinstance(steps, list):
+        step, tree = ckpt.restore_first_intact(target, data_iter, steps)
+    else:
+        step, tree = steps, ckpt.restore(target, data_iter, steps)
+    if not per_layer:
+        return step, TrainState.from_dict(tree)
+    log.info(
+        "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore", step
+    )
+    stacked = TrainState.from_dict(layout.stack_per_layer(tree, num_dense_layers))
+    return step, jax.device_put(stacked, state.shardings)
