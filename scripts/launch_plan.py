@@ -18,7 +18,7 @@ import json
 import sys
 
 from xmoe_jax import cli
-from xmoe_jax.config import ConfigError
+from xmoe_jax.errors import XmoeError
 from xmoe_jax.launch import distributed, slurm
 
 
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             flags = (args.coordinator, args.num_processes, args.process_id, args.local_device_ids)
             plans = [distributed.plan(*flags, args.init_timeout, auto=not args.no_distributed)]
-    except ConfigError as err:
+    except XmoeError as err:  # a DistributedError (bad launch settings), a ConfigError
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     print(json.dumps(plans, indent=2) if args.json else distributed.format_plan(plans))
     return 0
 

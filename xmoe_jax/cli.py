@@ -28,6 +28,8 @@ XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,6 +37,7 @@ import sys
 import traceback
 
 from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.errors import XmoeError
 from xmoe_jax.launch import distributed
 
 DEFAULT_CONFIG_HELP = "YAML config (default: the built-in tiny defaults)"
@@ -115,15 +118,39 @@ def resolve_from_args(args: argparse.Namespace) -> distributed.LaunchPlan:
     return _launch(args, distributed.resolve)
 
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-
-
-def _fail(err: Exception, code: int = EXIT_BAD_INPUT) -> int:
+def _fail(err: XmoeError) -> int:
+    """`error: <message>` on stderr; the exit status the error carries (xmoe_jax/errors.py)."""
     print(f"error: {err}", file=sys.stderr)
-    return code
+    return err.exit_code
 
 
+def _command(main):
+    """Every entry point's error handling: an `XmoeError` becomes its one line and exit status
+    (2 bad input, 1 failed while running); anything else is a bug and keeps its traceback."""
+
+    @functools.wraps(main)
+    def run(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except XmoeError as err:
+            return _fail(err)
+
+    return run
+
+
+@contextlib.contextmanager
+def _value_errors_are_bad_input():
+    """A plain ValueError from the libraries a tool calls (a tokenizer, a placement check) as bad
+    input: the same message, status 2."""
+    try:
+        yield
+    except ValueError as err:
+        if isinstance(err, XmoeError):
+            raise
+        raise ConfigError(str(err)) from err
+
+
+@_command
 def train_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-train", "Train a DeepSeek-style MoE transformer.")
     p.add_argument(
@@ -141,21 +168,17 @@ def train_main(argv: list[str] | None = None) -> int:
     add_cli_flags(p)
     args = p.parse_args(argv)
     _quiet_logging()
-    try:
-        cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
-        if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
-            _start_line(args.config, cfg)
-        from xmoe_jax.launch.xla_flags import apply_defaults
+    cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
+    if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
+        _start_line(args.config, cfg)
+    from xmoe_jax.launch.xla_flags import apply_defaults
 
-        apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
-        launch = initialize_from_args(args)  # before any other JAX use
-    except ConfigError as err:  # DistributedError included
-        return _fail(err)
+    apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
+    launch = initialize_from_args(args)  # before any other JAX use
     distributed.quiet_unless_main(launch)
     from xmoe_jax.launch import peers
     from xmoe_jax.train import preemption
-    from xmoe_jax.train.checkpoint import CheckpointError, CheckpointWriteError
-    from xmoe_jax.train.loop import TrainingError, train
+    from xmoe_jax.train.loop import train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     watch = peers.watch(launch)  # several processes: stop when another dies
@@ -168,9 +191,7 @@ def train_main(argv: list[str] | None = None) -> int:
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
-    except (TrainingError, CheckpointWriteError) as err:  # failed while training: status 1
-        code, message = _fail(err, EXIT_FAILED), str(err)
-    except (ConfigError, CheckpointError) as err:
+    except XmoeError as err:  # its line and status here: every process still leaves together below
         code, message = _fail(err), str(err)
     except Exception as err:
         if not launch.is_multi_process:
@@ -206,19 +227,18 @@ def _start_line(config_path: str | None, cfg) -> None:
     )
 
 
+@_command
 def params_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-params", "Print the parameter counts of a model config.")
     args = p.parse_args(argv)
     from xmoe_jax.params import format_param_table
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        return _fail(err)
+    cfg = load_config(args.config, args.overrides)
     print(format_param_table(cfg.model))
     return 0
 
 
+@_command
 def plan_main(argv: list[str] | None = None) -> int:
     p = _parser(
         "xmoe-plan", "Per-device memory of a config's train step on N devices (ahead-of-time compile)."
@@ -240,13 +260,10 @@ def plan_main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.devices < 1:
-        return _fail(ConfigError(f"--devices={args.devices} must be >= 1"))
+        raise ConfigError(f"--devices={args.devices} must be >= 1")
     from xmoe_jax.units import parse_bytes
 
-    try:
-        memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
-    except ConfigError as err:
-        return _fail(err)
+    memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
     if not args.real_devices:  # before JAX starts: N fake CPU devices, Pallas kernels (see xmoe_jax/plan.py)
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
@@ -259,7 +276,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
     from xmoe_jax.plan import plan
 
-    try:
+    with _value_errors_are_bad_input():
         cfg = load_config(args.config, args.overrides)
         if jax.device_count() != args.devices:
             raise ConfigError(
@@ -268,8 +285,6 @@ def plan_main(argv: list[str] | None = None) -> int:
                 "plan for the devices there are, or run in a fresh process"
             )
         result = plan(cfg, memory)
-    except (ConfigError, ValueError) as err:
-        return _fail(err)
     print(result.table())
     if args.breakdown:  # the state's bytes per parameter are in the table already
         from xmoe_jax.perf.breakdown import activation_breakdown
@@ -315,6 +330,7 @@ def _quiet_logging() -> None:
     sys.unraisablehook = _drop_closed_loop_callbacks
 
 
+@_command
 def tokenize_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-tokenize",
@@ -336,21 +352,19 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    try:
-        summary = tokenize_to_shards(
-            args.input,
-            args.tokenizer,
-            args.output,
-            text_field=args.text_field,
-            shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
-            report=report,
-        )
-    except ConfigError as err:
-        return _fail(err)
+    summary = tokenize_to_shards(
+        args.input,
+        args.tokenizer,
+        args.output,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+        report=report,
+    )
     print(f"done: {summary}")
     return 0
 
 
+@_command
 def eval_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-eval", description="Evaluate a checkpoint of a run on its eval data (loss, perplexity)."
@@ -363,19 +377,16 @@ def eval_main(argv: list[str] | None = None) -> int:
 
     apply_defaults()
     _quiet_logging()
-    from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.evaluate import evaluate_checkpoint
 
-    try:
-        r = evaluate_checkpoint(args.run_dir, args.step, args.overrides)
-    except (ConfigError, CheckpointError) as err:
-        return _fail(err)
+    r = evaluate_checkpoint(args.run_dir, args.step, args.overrides)
     print(
         f"step {r['step']}: eval loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f} ({r['eval_tokens']:,} tokens)"
     )
     return 0
 
 
+@_command
 def plot_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-plot", description="Write PNGs of a run (loss, eval, expert load)."
@@ -385,10 +396,7 @@ def plot_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from xmoe_jax.plot import plot_run
 
-    try:
-        written = plot_run(args.run_dir, args.out)
-    except ConfigError as err:
-        return _fail(err)
+    written = plot_run(args.run_dir, args.out)
     for path in written:
         print(path)
     return 0
@@ -407,6 +415,7 @@ def _token_ids(text: str) -> list[int]:
     return [int(w) for w in words]
 
 
+@_command
 def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
     p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
@@ -437,10 +446,9 @@ def generate_main(argv: list[str] | None = None) -> int:
     _quiet_logging()
     from xmoe_jax.data import load_tokenizer, provenance
     from xmoe_jax.generate import SamplingConfig, generate_from_run
-    from xmoe_jax.train.checkpoint import CheckpointError
     from xmoe_jax.train.rundir import RunDir
 
-    try:
+    with _value_errors_are_bad_input():
         run = RunDir(args.run_dir)
         cfg = run.input_config(args.step, args.overrides)  # the config of the step it generates with
         tokenizer = load_tokenizer(provenance.for_tools(run.tokenizer, cfg, args.overrides).data.tokenizer)
@@ -452,8 +460,6 @@ def generate_main(argv: list[str] | None = None) -> int:
             args.run_dir, prompts, args.max_tokens, sampling, args.seed, step=args.step, on_mesh=args.mesh,
             overrides=args.overrides, eos_id=args.eos_id,
         )  # fmt: skip
-    except (ConfigError, CheckpointError, ValueError) as err:
-        return _fail(err)
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         print(f"=== {i + 1}/{len(prompts)}")
         is_text = i < len(args.prompt)
@@ -461,6 +467,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@_command
 def convert_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="xmoe-convert", description="HuggingFace checkpoints in and out.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -487,18 +494,15 @@ def convert_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from xmoe_jax.units import parse_bytes
 
-    try:  # before anything loads
-        shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size") if args.command == "export" else 0
-    except ConfigError as err:
-        return _fail(err)
+    # before anything loads
+    shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size") if args.command == "export" else 0
     from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
-    from xmoe_jax.hf.convert import ConversionError, export_checkpoint, import_checkpoint
-    from xmoe_jax.train.checkpoint import CheckpointError
+    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint
 
-    try:
+    with _value_errors_are_bad_input():
         if args.command == "import":
             cfg = import_checkpoint(args.hf_dir, args.out, args.overrides)
             print(f"imported {args.hf_dir} into {cfg.train.run_dir}; continue training with:")
@@ -509,8 +513,6 @@ def convert_main(argv: list[str] | None = None) -> int:
                 shard_bytes,
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
-    except (ConversionError, ConfigError, CheckpointError, ValueError) as err:
-        return _fail(err)
     return 0
 
 

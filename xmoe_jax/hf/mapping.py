@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from xmoe_jax.errors import EXIT_BAD_INPUT, XmoeError
 from xmoe_jax.hf.safetensors_io import Reader
 
 SAME, FLAT = "same", "flat"
@@ -66,8 +67,10 @@ class Rule:
         return ("{layer}" in self.hf) + ("{expert}" in self.hf)
 
 
-class ConversionError(ValueError):
+class ConversionError(XmoeError, ValueError):
     """A checkpoint cannot be converted; the message names the tensor or config key and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 def flat_leaves(tree: dict, prefix: str) -> dict[str, object]:

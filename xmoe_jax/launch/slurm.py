@@ -31,13 +31,15 @@ import os
 import re
 from collections.abc import Mapping
 
-from xmoe_jax.config import ConfigError
+from xmoe_jax.errors import EXIT_BAD_INPUT, XmoeError
 
 _VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
-class DistributedError(ConfigError):
+class DistributedError(XmoeError):
     """The multi-process launch is inconsistent or cannot start; the message names the fix."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 def parse_int(value, name: str, lo: int, hi: int | None = None) -> int:

@@ -2,7 +2,7 @@
 
 Shapes: T tokens (the shard's), D model.
 
-`parallel.overlap` (config.py) changes only the order in which a shard_map dispatch (pft, rbd)
+`parallel.overlap` (config/parallel.py) changes only the order in which a shard_map dispatch (pft, rbd)
 is traced, never its values. Both orderings work on the stage generators (stages.py), so
 they need no change in the dispatches themselves:
 

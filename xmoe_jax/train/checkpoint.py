@@ -53,6 +53,7 @@ from xmoe_jax.config import (
     migrate_dict,
     to_dict,
 )
+from xmoe_jax.errors import EXIT_BAD_INPUT, EXIT_FAILED, XmoeError
 from xmoe_jax.launch import distributed
 from xmoe_jax.train import integrity, runlock
 from xmoe_jax.train.integrity import IntegrityError
@@ -62,13 +63,17 @@ _ITEMS = ("state", "data", "config", "manifest")
 log = logging.getLogger("xmoe_jax")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(XmoeError, RuntimeError):
     """A checkpoint cannot be saved, found or restored; the message names the problem and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (a full disk, a read-only or vanished file system); the steps
     saved before it are intact. Raised by `save` or `wait` (an asynchronous save's error)."""
+
+    exit_code = EXIT_FAILED  # failed while running, not bad input
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xmoe_jax.errors import EXIT_BAD_INPUT, XmoeError
+
 log = logging.getLogger("xmoe_jax")
 
 MANIFEST_VERSION = 1
@@ -47,8 +49,11 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _W1, _W2, _C1, _C2 = 0x9E3779B1, 0x85EBCA77, 0x7F4A7C15, 0x165667B1
 
 
-class IntegrityError(Exception):
-    """A checkpoint step fails its integrity checks; the message names what differs."""
+class IntegrityError(XmoeError):
+    """A checkpoint step fails its integrity checks; the message names what differs. The checkpoint
+    code turns it into a `DamagedCheckpointError`; should one escape, it is bad input too."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 # ----------------------------------------------------------------------------- fingerprints

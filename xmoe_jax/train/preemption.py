@@ -28,14 +28,15 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from xmoe_jax.errors import ConfigError
 
-from xmoe_jax.config import stop_signal_names
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+# JAX is imported where a running stop needs it: the config's validation imports this module
+# for `stop_signal_names`, and loading a config must not start JAX (the CLI sets its flags after).
 
 log = logging.getLogger("xmoe_jax")
 
@@ -54,6 +55,20 @@ class Preempted(Exception):
         super().__init__(
             f"stopped by {signal_name} after step {step}: {where} (exit status {PREEMPTED_EXIT_CODE})"
         )
+
+
+def stop_signal_names(text: str) -> list[str]:
+    """`train.stop_signals` ("SIGTERM,INT,...", "" = none) as signal names; ConfigError if one is not
+    a signal a process can catch."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
+    for n in names:
+        if n not in signal.Signals.__members__ or n in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"train.stop_signals: {n} is not a signal a process can catch; list names such as "
+                "SIGTERM,SIGINT,SIGUSR1 (or '' for none)"
+            )
+    return names
 
 
 _ignore_after_stop = False
@@ -90,6 +105,10 @@ class StopSignals:
     """
 
     def __init__(self, names: str, mesh: Mesh):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
         self.signals = [signal.Signals[n] for n in stop_signal_names(names)]
         self.received: str | None = None
         self.stopping = False
@@ -138,6 +157,9 @@ class StopSignals:
         """Whether to stop after `step`; the same answer on every process (call after every step)."""
         if not self._multi:
             return self.received is not None
+        import jax
+        import numpy as np
+
         flag = np.int32(self.received is not None)
         size = self._mesh.size
         flags = jax.make_array_from_callback(

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from xmoe_jax.config import ConfigError
+from xmoe_jax.errors import ConfigError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

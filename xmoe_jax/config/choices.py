@@ -1,0 +1,39 @@
+"""The closed sets of values config fields take (`Literal` types): the dataclasses annotate their
+fields with these, and `checks._check_choices` / `loading._coerce` refuse anything else."""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+Dispatch = Literal["dense", "padded", "pft", "rbd"]
+Transport = Literal["auto", "bucketed", "ragged", "emulated"]
+Overlap = Literal["none", "shared", "chunks", "both"]
+XlaScheduler = Literal["default", "latency_hiding"]
+Activation = Literal["swiglu", "gelu"]
+ScoreFunc = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+AuxLossType = Literal["micro_batch", "sequence", "none"]
+DType = Literal["bfloat16", "float32", "float16"]
+ParamDType = Literal["float32", "bfloat16"]
+StateDType = Literal["float32", "bfloat16"]
+DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
+AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
+RematMode = Literal[
+    "none",
+    "full",
+    "save_dots",
+    "save_attention_and_experts",
+    "save_sublayer_outputs",
+    "save_exchange",
+    "offload_experts",
+]
+NanPolicy = Literal["stop", "skip"]
+QKNorm = Literal["none", "head", "full"]
+AttentionType = Literal["mha", "mla"]
+RopeScalingType = Literal["yarn"]
+FP8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
+FP8Format = Literal["e4m3", "e5m2"]
+
+DISPATCH_MODES = typing.get_args(Dispatch)
+TRANSPORTS = typing.get_args(Transport)
