@@ -160,6 +160,10 @@ def test_wire_bytes(peers: int, seed: int) -> None:
         ragged = wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK)
         emulated = wire_bytes(mine, jnp.int32(me), row_bytes, "emulated", MAX_CHUNK)
         assert float(ragged) == (sizes[me].sum() - sizes[me, me]) * row_bytes  # other peers only
+        # decomposed by XLA (parallel.ragged_decomposed): a whole M-row receive buffer per other peer
+        decomposed = wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M, decomposed=True)
+        assert float(decomposed) == (peers - 1) * M * row_bytes
+        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M)) == float(ragged)
         assert float(emulated) == (peers - 1) * MAX_CHUNK * row_bytes  # every padded chunk
     # a device that sends only to itself puts nothing on the wire with ragged
     only_self = Plan(*(jnp.asarray(a[2]) for a in plan))._replace(

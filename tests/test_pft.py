@@ -1,4 +1,6 @@
-"""`pft` dispatch against the dense oracle on fake CPU meshes: values, gradients and load statistics.
+"""`pft`'s capacity, receive-buffer and skew semantics on fake CPU meshes: values, gradients and
+load statistics against the dense oracle with the keep mask pft must apply. (Dropless pft on every
+layout against the oracle: tests/test_dispatch_oracle.py, with every other dispatch mode.)
 
 The oracle runs the whole batch without a mesh: `router.route` + `dense.dense_dispatch` with
 gate = weight * mask, where mask says which routed copies pft is expected to keep. The mask is
@@ -8,7 +10,7 @@ dim 0), then each destination device accepts rows in (source, local expert) orde
 copies in queue order, up to M = pft.recv_rows(E, K, T_local, P, C, factor) rows.
 
 T=64 tokens, D=16, F=16, float32. Compiled functions are cached per (config, mesh layout), and
-the skew / property tests reuse the functions of the equivalence tests.
+the property test reuses the functions of the dropping and overflow tests.
 """
 
 from __future__ import annotations
@@ -211,28 +213,8 @@ def _check(
     return {"aux": aux, "grads": g_p, "keep": keep, "sent": sent, "idx": idx, "wts": wts}
 
 
-# ----------------------------------------------------------------------------- dropless
-
-DROPLESS_CASES = [
-    # (cfg, (data, expert, tensor) or None): experts per device E / expert
-    ("A", (1, 8, 1)),  # 1
-    ("A", (2, 4, 1)),  # 2
-    ("A", (4, 2, 1)),  # 4
-    ("A", (8, 1, 1)),  # 8, no exchange
-    ("A", (2, 2, 2)),  # 4, tensor axis (tokens replicated over it)
-    ("A", None),
-    ("B", (2, 4, 1)),  # 4
-    ("B", (1, 8, 1)),  # 2
-]
-
-
-@pytest.mark.parametrize("name, layout", DROPLESS_CASES, ids=[f"{n}-{m}" for n, m in DROPLESS_CASES])
-def test_dropless_equals_dense(name: str, layout) -> None:
-    cfg = CFGS[name]
-    out = _check(cfg, layout, _params(cfg), _x())
-    aux = out["aux"]
-    assert int(aux.num_dropped) == 0
-    assert int(np.asarray(aux.recv_rows).sum()) == T * cfg.top_k
+# ----------------------------------------------------------------------------- the oracle
+# (dropless pft on every layout against it: tests/test_dispatch_oracle.py)
 
 
 def test_oracle_matches_loop_reference() -> None:
@@ -243,19 +225,6 @@ def test_oracle_matches_loop_reference() -> None:
         (_, (y, _, _)), _ = _oracle_fn(ocfg)(params, x, _proj(), jnp.ones((T, cfg.top_k)))
         want, _ = moe_ref(jax.device_get(params), np.asarray(x), ocfg)
         assert rel_err(y, want) < TOL
-
-
-def test_aux_equals_dense_layer_without_mesh() -> None:
-    cfg = CFG_A
-    params, x = _params(cfg, _offsets(8, "moderate")), _x(shift=1.0)
-    _, aux_d = jax.jit(lambda p, v: moe_layer(p, v, _oracle_cfg(cfg)))(params, x)
-    for layout in ((2, 4, 1), None):
-        (_, (_, aux)), _ = _pft_fn(cfg, PFT, layout)(params, x, _proj())
-        np.testing.assert_array_equal(aux.tokens_per_expert, aux_d.tokens_per_expert)
-        np.testing.assert_allclose(float(aux.aux_loss), float(aux_d.aux_loss), rtol=TOL)
-        np.testing.assert_allclose(float(aux.z_loss), float(aux_d.z_loss), rtol=TOL)
-        assert int(np.asarray(aux.recv_rows).sum()) == T * cfg.top_k
-        assert int(aux.num_dropped) == int(aux.num_overflow) == 0
 
 
 # ----------------------------------------------------------------------------- skew: empty experts, idle devices
@@ -329,9 +298,8 @@ def test_receive_buffer_overflow_is_counted_and_zeroed(name: str, factor: float,
     assert int(np.asarray(aux.recv_rows).max()) == m_rows
     assert int(np.asarray(aux.recv_rows).sum()) + int(aux.num_overflow) == T * cfg.top_k
     # the same input with the default worst-case buffer: nothing overflows
-    out_default = _check(CFGS[name], layout, params, x) if (name, layout) in DROPLESS_CASES else None
-    if out_default is not None:
-        assert int(out_default["aux"].num_overflow) == 0
+    out_default = _check(CFGS[name], layout, params, x)
+    assert int(out_default["aux"].num_overflow) == 0
 
 
 # ----------------------------------------------------------------------------- property test

@@ -5,7 +5,9 @@ No compiles: configs in, configs out.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,7 @@ from xmoe_jax.config import ParallelConfig, load_config
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
 from xmoe_jax.moe.exchange import resolve_transport
-from xmoe_jax.resolve import ONE_DEVICE, one_device_overrides, resolve_placement
+from xmoe_jax.resolve import ONE_DEVICE, one_device_overrides, resolve_parallel, resolve_placement
 
 
 def _cfg(*overrides):
@@ -52,6 +54,36 @@ def test_moe_resolves_transport_without_reading_xla_flags(monkeypatch):
     assert resolve_transport("auto") == "emulated"
     assert resolve_transport("auto", "gpu") == "bucketed"
     assert resolve_transport("ragged", "gpu") == "ragged"
+
+
+def test_resolve_records_whether_the_ragged_exchange_is_decomposed(monkeypatch):
+    for preset, decomposed in (("decomposer", True), ("default", False), ("sendrecv", False)):
+        monkeypatch.setattr(xla_flags, "effective_preset", lambda preset=preset: preset)
+        for backend in ("cpu", "gpu"):
+            assert resolve_placement(_cfg(), 1, backend=backend).parallel.ragged_decomposed is decomposed
+        assert resolve_parallel(ParallelConfig(transport="ragged")).ragged_decomposed is decomposed
+    assert ParallelConfig().ragged_decomposed is False  # unresolved: moe/ assumes XLA's own kernel
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return names
+
+
+def test_moe_package_does_not_import_xla_flags():
+    """Placement facts reach moe/ through the resolved config (xmoe_jax/resolve.py), not XLA flags."""
+    files = sorted((Path(__file__).parents[1] / "xmoe_jax" / "moe").rglob("*.py"))
+    assert len(files) > 10
+    offenders = {
+        f.name: sorted(n for n in _imports(f) if "xla_flags" in n or n.startswith("xmoe_jax.launch"))
+        for f in files
+    }
+    assert not {k: v for k, v in offenders.items() if v}
 
 
 def test_one_device_is_a_named_placement():

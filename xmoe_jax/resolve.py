@@ -5,7 +5,9 @@ The trainer, the evaluator, the generator and the memory planner build their ste
   1. `parallel.transport: auto` becomes the concrete exchange for the backend (`bucketed` on
      GPU, `emulated` elsewhere: moe/exchange.py's rule); an explicit `ragged` whose XLA flags
      did not take effect is named here, in one warning (xla_flags.transport_for), not while
-     tracing;
+     tracing; and whether XLA decomposes the ragged all-to-all (the `decomposer` preset in the
+     flags the backend started with) is recorded as `parallel.ragged_decomposed`, so moe/ never
+     reads XLA flags (`resolve_parallel`, which direct library callers such as perf/ use too);
   2. dropless pft/rbd training with adaptive buffers starts on the ladder's first rung
      (train/buffers.py), so the planner compiles the step the trainer compiles first.
 Code outside moe/ asks the dispatcher table whether a mode exchanges tokens
@@ -22,7 +24,7 @@ import dataclasses
 import jax
 
 from xmoe_jax import sharding
-from xmoe_jax.config import Config
+from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.train.buffers import BufferLadder, applies
@@ -54,18 +56,25 @@ def exchange_devices(mesh) -> int:
     return sharding.axis_size(mesh, sharding.EXPERT_AXES)
 
 
+def resolve_parallel(parallel: ParallelConfig, backend: str | None = None) -> ParallelConfig:
+    """`parallel` with its exchange settled for `backend` (default: JAX's): a concrete transport and
+    the XLA flags' effect on it recorded (step 1 of the module docstring, without the warning)."""
+    return dataclasses.replace(
+        parallel,
+        transport=resolve_transport(parallel.transport, backend),
+        ragged_decomposed=xla_flags.effective_preset() == "decomposer",
+    )
+
+
 def resolve_placement(cfg: Config, num_exchange_devices: int, backend: str | None = None) -> Config:
     """`cfg` with its placement settled for `num_exchange_devices` (`exchange_devices(mesh)`) on
     `backend` (default: JAX's): steps 1-2 of the module docstring. The planner passes
     backend="gpu" to plan a GPU run on CPU."""
     if cfg.model.moe is None:
         return cfg
-    backend = backend or jax.default_backend()
-    parallel = cfg.parallel
-    transport = resolve_transport(parallel.transport, backend)
+    parallel = resolve_parallel(cfg.parallel, backend or jax.default_backend())
     # ragged: one warning if this process's XLA flags did not take effect (a concrete choice passes)
-    xla_flags.transport_for(transport, jax.default_backend())
-    parallel = dataclasses.replace(parallel, transport=transport)
+    xla_flags.transport_for(parallel.transport, jax.default_backend())
     ladder = BufferLadder(parallel, applies(cfg, num_exchange_devices))
     if ladder.active:
         parallel = ladder.parallel  # its first rung

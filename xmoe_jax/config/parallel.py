@@ -53,6 +53,10 @@ class ParallelConfig:
       mesh.expert_nodes (checked against the mesh at start-up); rbd then sizes its cross-node
       send buffer by topk_groups pilots per token instead of min(top_k, nodes) and reports the
       most nodes any token reached (`max_nodes_per_token`).
+    ragged_decomposed: a fact, not a choice: whether XLA rewrites the ragged all-to-all into a dense
+      one (the `decomposer` preset took effect), so `wire_bytes` counts whole receive buffers.
+      xmoe_jax/resolve.py sets it at start-up from the flags the backend started with; moe/ reads it
+      instead of the process's XLA flags. A value written in a config is replaced there.
     """
 
     dispatch: Dispatch = "dense"
@@ -68,6 +72,7 @@ class ParallelConfig:
     auto_shard: bool = False
     sequence_parallel: bool = False
     route_groups_by_node: bool = False
+    ragged_decomposed: bool = False
 
     def __post_init__(self) -> None:
         p = "parallel."

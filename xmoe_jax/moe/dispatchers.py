@@ -82,6 +82,7 @@ def _pft(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
             axis_name=axes,
             num_peers=peers,
             transport=resolve_transport(parallel.transport),
+            decomposed=parallel.ragged_decomposed,
         )
     )
 
@@ -107,6 +108,7 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
             transport=resolve_transport(parallel.transport),
             recv_buffer_factor=parallel.recv_buffer_factor,
             max_nodes=cfg.topk_groups if parallel.route_groups_by_node else None,
+            decomposed=parallel.ragged_decomposed,
         )
     )
 

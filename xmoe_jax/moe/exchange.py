@@ -25,9 +25,11 @@ fixed per-peer chunks sized by the step's buffer bucket and moves them with one 
 `all_to_all` (layouts.py).
 
 What goes on the wire: `ragged` under XLA's default kernel sends the routed rows; under
-the `decomposer` preset (xla_flags.py) XLA rewrites it into a dense all-to-all of the
+the `decomposer` preset (launch/xla_flags.py) XLA rewrites it into a dense all-to-all of the
 whole receive buffer per peer, so (P-1) x M rows leave each device whatever the routing;
 `emulated` sends (P-1) padded chunks. `wire_bytes` reports that, not the routed rows.
+Whether the decomposer is in effect is a placement fact settled before tracing
+(`parallel.ragged_decomposed`, set by xmoe_jax/resolve.py): nothing here reads XLA flags.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.launch import xla_flags
+GPU_BACKENDS = ("gpu", "cuda", "rocm")  # where `auto` means `bucketed`
 
 
 class Plan(NamedTuple):
@@ -90,12 +92,7 @@ def resolve_transport(transport: str, backend: str | None = None) -> str:
     JAX's backend (`backend` None)."""
     if transport != "auto":
         return transport
-    return "bucketed" if (backend or jax.default_backend()) in xla_flags.GPU_BACKENDS else "emulated"
-
-
-def ragged_is_decomposed() -> bool:
-    """Whether XLA rewrites ragged_all_to_all into a dense all-to-all (the decomposer preset in effect)."""
-    return xla_flags.effective_preset() == "decomposer"
+    return "bucketed" if (backend or jax.default_backend()) in GPU_BACKENDS else "emulated"
 
 
 def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
@@ -152,17 +149,23 @@ exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def wire_bytes(
-    plan: Plan, me: jax.Array, row_bytes: int, transport: str, max_chunk: int, out_rows: int | None = None
+    plan: Plan,
+    me: jax.Array,
+    row_bytes: int,
+    transport: str,
+    max_chunk: int,
+    out_rows: int | None = None,
+    decomposed: bool = False,
 ) -> jax.Array:
     """Bytes this device puts on the wire to other peers in one exchange (rows to itself stay local).
 
     `ragged` sends exactly the routed rows, or (P-1) whole receive buffers of `out_rows` when XLA
-    decomposes it; `emulated` sends every padded chunk.
+    decomposes it (`decomposed`: `parallel.ragged_decomposed`); `emulated` sends every padded chunk.
     """
     num_peers = plan.send_sizes_P.shape[0]
     if transport == "emulated":
         rows = jnp.asarray((num_peers - 1) * max_chunk, jnp.float32)
-    elif out_rows is not None and ragged_is_decomposed():
+    elif out_rows is not None and decomposed:
         rows = jnp.asarray((num_peers - 1) * out_rows, jnp.float32)
     else:
         rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)

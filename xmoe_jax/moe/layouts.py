@@ -57,7 +57,9 @@ def _counts(topk_idx_TK, keep_TK, num_experts, axis_name, num_peers):
     return counts_E, counts_PE.reshape(num_peers, num_peers, num_experts // num_peers)  # source, dest, local
 
 
-def compact(topk_idx_TK, keep_TK, pos_TK, num_experts, num_recv, axis_name, num_peers, transport):
+def compact(
+    topk_idx_TK, keep_TK, pos_TK, num_experts, num_recv, axis_name, num_peers, transport, decomposed=False
+):
     num_tokens, top_k = topk_idx_TK.shape
     local_e = num_experts // num_peers
     num_send = num_tokens * top_k
@@ -82,7 +84,7 @@ def compact(topk_idx_TK, keep_TK, pos_TK, num_experts, num_recv, axis_name, num_
         seg_start_PL=exclusive_cumsum(cc_PL.reshape(-1)).reshape(cc_PL.shape),
         forward=lambda x: exchange(x, plan, num_recv, num_send, axis_name, transport, max_chunk),
         backward=lambda y: exchange(y, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk),
-        wire_rows=wire_bytes(plan, me, 1, transport, max_chunk, num_recv),
+        wire_rows=wire_bytes(plan, me, 1, transport, max_chunk, num_recv, decomposed),
         routed_rows=sent.astype(jnp.float32),
         peak_rows=block_PQL[:, me, :].sum(),
         buffer_rows=num_recv,

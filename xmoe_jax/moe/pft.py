@@ -139,10 +139,12 @@ def pft_stages(
     axis_name: str | None,
     num_peers: int,
     transport: str,
+    decomposed: bool = False,
 ) -> Stages:
     """The dispatch as stages (stages.py): send_buffer, [exchange, experts, return], combine.
 
     Returns (y_TD, ExchangeStats) at the end; with one peer there is no exchange stage.
+    `decomposed`: `parallel.ragged_decomposed` (what `ragged` puts on the wire, exchange.py).
     """
     num_tokens, top_k = topk_idx_TK.shape
     num_e, dim = spec.num_experts, x_TD.shape[1]
@@ -172,9 +174,8 @@ def pft_stages(
         if spec.chunk_rows is not None:
             lay = layouts.chunked(topk_idx_TK, keep_TK, pos_TK, num_e, spec.chunk_rows, axis_name, num_peers)
         else:
-            lay = layouts.compact(
-                topk_idx_TK, keep_TK, pos_TK, num_e, spec.recv_rows, axis_name, num_peers, transport
-            )
+            sizes = (num_e, spec.recv_rows, axis_name, num_peers, transport, decomposed)
+            lay = layouts.compact(topk_idx_TK, keep_TK, pos_TK, *sizes)
         dest_TK, sent_TK = lay.dest_TK, lay.sent_TK
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)

@@ -92,12 +92,14 @@ def rbd_stages(
     transport: str,
     recv_buffer_factor: float | None,
     max_nodes: int | None = None,
+    decomposed: bool = False,
 ) -> Stages:
     """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
 
     Returns (y_TD, ExchangeStats) at the end. With the `bucketed` transport stage 2 uses
     pft's chunked layout and stage 1 the emulated exchange (chunks of T pilots per node pair,
     the most a node can send another). `max_nodes`: node-limited routing's M (module docstring).
+    `decomposed`: `parallel.ragged_decomposed` (what `ragged` puts on the wire, exchange.py).
     """
     stage1_transport = "emulated" if transport == "bucketed" else transport
     num_tokens, top_k = topk_idx_TK.shape
@@ -188,6 +190,7 @@ def rbd_stages(
             axis_name=local_axis,
             num_peers=local_size,
             transport=transport,
+            decomposed=decomposed,
         ),
     )
     yield "stage2/combine", (y_pil_MD,)
@@ -203,12 +206,13 @@ def rbd_stages(
     me = jax.lax.axis_index(node_axis)
     row_bytes = x_TD.shape[1] * jnp.dtype(x_TD.dtype).itemsize
     inter = counts_N.sum() - counts_N[me]
+    node_wire = wire_bytes(plan, me, row_bytes, stage1_transport, num_tokens, num_recv, decomposed)
     stats = stats2._replace(
         num_overflow=stats2.num_overflow + jnp.maximum(counts_N.sum() - num_send, 0),
         max_nodes_per_token=hit_TN.sum(-1).max().astype(jnp.int32),
         pilot_rows=counts_N.sum(),
         inter_node_rows=inter,
-        wire_bytes_node=2 * wire_bytes(plan, me, row_bytes, stage1_transport, num_tokens, num_recv),
+        wire_bytes_node=2 * node_wire,
         routed_bytes_node=2 * row_bytes * inter.astype(jnp.float32),
     )
     return y_TD.astype(x_TD.dtype), stats

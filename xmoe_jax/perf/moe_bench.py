@@ -22,6 +22,7 @@ from xmoe_jax.moe import init_moe_params, moe_layer, placement
 from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport
 from xmoe_jax.perf.hlo import collective_stats
 from xmoe_jax.perf.timing import time_fn
+from xmoe_jax.resolve import resolve_parallel
 from xmoe_jax.sharding import axis_size, exchange_axes
 
 
@@ -81,6 +82,7 @@ def moe_layer_case(
     iters: int = 10,
     settle_buffers: bool = False,
 ) -> dict:
+    parallel = resolve_parallel(parallel)  # concrete transport; what `ragged` puts on the wire
     params, x_TD = make_inputs(cfg, dim, num_tokens, skew, dtype)
     params, x_TD = place_inputs(params, x_TD, parallel, mesh)
     r_TD = jax.random.normal(jax.random.key(1), x_TD.shape, dtype)
