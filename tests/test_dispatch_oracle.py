@@ -90,6 +90,7 @@ class Layout:
     capacity: tuple[float, str] | None = None
     skew: bool = False  # some experts crowded, some empty, some devices receive nothing
     parallel: tuple[tuple[str, object], ...] = ()
+    slow: bool = False  # a variant whose feature another default case covers: CI's slow run takes it
 
     @property
     def tensor(self) -> int:
@@ -132,11 +133,11 @@ MODE_LAYOUTS: dict[str, list[Layout]] = {
         Layout("ep8", (1, 8, 1, 1)),  # one expert per device
         Layout("dp4-ep2", (4, 2, 1, 1)),
         Layout("dp8-no-exchange", (8, 1, 1, 1)),
-        Layout("dp2-ep4-B", (2, 4, 1, 1), cfg="B"),
+        Layout("dp2-ep4-B", (2, 4, 1, 1), cfg="B", slow=True),
         Layout("dp2-ep4-ssmb-tp1", (2, 4, 1, 1), parallel=SSMB),  # SSMB is a no-op at TP=1
         Layout("dp2-ep2-tp2-ssmb", (2, 2, 2, 1), parallel=SSMB),
         Layout("ep2-tp4", (1, 2, 4, 1)),
-        Layout("ep2-tp4-ssmb", (1, 2, 4, 1), parallel=SSMB),
+        Layout("ep2-tp4-ssmb", (1, 2, 4, 1), parallel=SSMB, slow=True),
         Layout("dp2-tp4-ssmb", (2, 1, 4, 1), parallel=SSMB),  # no expert parallelism: 8 tokens/device
         Layout("dp2-tp4-ssmb-sequence-loss", (2, 1, 4, 1), cfg="A-seq", parallel=SSMB),  # sequences cut by TP
         Layout("ep2-tp4-expert-tp", (1, 2, 4, 1), parallel=(("expert_tensor_parallel", True),)),
@@ -146,27 +147,28 @@ MODE_LAYOUTS: dict[str, list[Layout]] = {
             "dp2-ep4-bucketed-2chunks", (2, 4, 1, 1), parallel=(("transport", "bucketed"), ("overlap_chunks", 2))
         ),
         Layout(
-            "dp2-ep4-emulated-4chunks", (2, 4, 1, 1), parallel=(("transport", "emulated"), ("overlap_chunks", 4))
+            "dp2-ep4-emulated-4chunks", (2, 4, 1, 1), parallel=(("transport", "emulated"), ("overlap_chunks", 4)),
+            slow=True,
         ),
         Layout("dp2-ep4-S-cf0.75-probs", (2, 4, 1, 1), cfg="S", capacity=(0.75, "probs"), skew=True),
-        Layout("dp2-ep4-S-cf0.75-position", (2, 4, 1, 1), cfg="S", capacity=(0.75, "position"), skew=True),
+        Layout("dp2-ep4-S-cf0.75-position", (2, 4, 1, 1), cfg="S", capacity=(0.75, "position"), skew=True, slow=True),
     ],
     "rbd": [  # expert = expert_nodes x devices per node: nodes of 2 and 4; 1, 2, 4 experts per device
         # (COMMON runs rbd on one node: pft inside it)
         Layout("dp2-ep4-nodes2", (2, 4, 1, 2), skew=True),
-        Layout("ep8-nodes2", (1, 8, 1, 2), skew=True),
-        Layout("ep8-nodes4-K4", (1, 8, 1, 4), cfg="K4", skew=True),
-        Layout("dp2-ep4-nodes2-K6", (2, 4, 1, 2), cfg="K6", skew=True),
+        Layout("ep8-nodes2", (1, 8, 1, 2), skew=True, slow=True),
+        Layout("ep8-nodes4-K4", (1, 8, 1, 4), cfg="K4", skew=True, slow=True),
+        Layout("dp2-ep4-nodes2-K6", (2, 4, 1, 2), cfg="K6", skew=True, slow=True),
         Layout("dp2-ep4-nodes4-K4", (2, 4, 1, 4), cfg="K4", skew=True),  # single-device nodes
-        Layout("ep8-nodes2-limit1", (1, 8, 1, 2), cfg="N2-1", skew=True, parallel=(("route_groups_by_node", True),)),
+        Layout("ep8-nodes2-limit1", (1, 8, 1, 2), cfg="N2-1", skew=True, parallel=(("route_groups_by_node", True),), slow=True),
         Layout("dp2-ep4-nodes4-limit2", (2, 4, 1, 4), cfg="N4-2", skew=True, parallel=(("route_groups_by_node", True),)),
-        Layout("ep8-nodes4-limit2-E32", (1, 8, 1, 4), cfg="N4-2-E32", skew=True, parallel=(("route_groups_by_node", True),)),
+        Layout("ep8-nodes4-limit2-E32", (1, 8, 1, 4), cfg="N4-2-E32", skew=True, parallel=(("route_groups_by_node", True),), slow=True),
         Layout("ep4-tp2-nodes2-ssmb", (1, 4, 2, 2), parallel=SSMB),
-        Layout("ep2-tp4-nodes2-ssmb", (1, 2, 4, 2), parallel=SSMB),
+        Layout("ep2-tp4-nodes2-ssmb", (1, 2, 4, 2), parallel=SSMB, slow=True),
         Layout("dp2-ep2-tp2-nodes2", (2, 2, 2, 2)),  # tokens replicated over tensor
         Layout("ep8-nodes2-K4-buffer3", (1, 8, 1, 2), cfg="K4", parallel=(("recv_buffer_factor", 3.0),)),
         Layout("dp2-ep4-nodes2-S-cf0.75-probs", (2, 4, 1, 2), cfg="S", capacity=(0.75, "probs"), skew=True),
-        Layout("dp2-ep4-nodes2-S-cf0.75-position", (2, 4, 1, 2), cfg="S", capacity=(0.75, "position"), skew=True),
+        Layout("dp2-ep4-nodes2-S-cf0.75-position", (2, 4, 1, 2), cfg="S", capacity=(0.75, "position"), skew=True, slow=True),
     ],
 }  # fmt: skip
 
@@ -177,7 +179,8 @@ def _cases():
             yield pytest.param(mode, None, id=f"{mode}-NO-LAYOUT")
             continue
         for layout in COMMON + MODE_LAYOUTS[mode]:
-            yield pytest.param(mode, layout, id=f"{mode}-{layout.name}")
+            marks = [pytest.mark.slow] if layout.slow else []
+            yield pytest.param(mode, layout, id=f"{mode}-{layout.name}", marks=marks)
 
 
 # ----------------------------------------------------------------------------- inputs and compiled functions
