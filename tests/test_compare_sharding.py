@@ -63,6 +63,7 @@ def _load_script():
     return module
 
 
+@pytest.mark.slow  # ~15 s; the table's variants and columns stay in the default run
 def test_script_prints_the_table_last_and_writes_json(tmp_path, monkeypatch, capsys) -> None:
     out = tmp_path / "cmp.json"
     argv = [

@@ -14,6 +14,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "moe_layer.py"
 
@@ -32,6 +34,7 @@ def test_readme_moe_core_block_is_the_example() -> None:
     assert _readme_block("The MoE core", "python") == shown
 
 
+@pytest.mark.slow  # ~30 s; the README block's identity with the file stays in the default run
 def test_moe_layer_example_runs_and_shows_the_capacity_semantics() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -58,6 +58,7 @@ def test_mtp_loss_equals_each_module_on_its_unpadded_prefix() -> None:
     assert float(mtp) == pytest.approx(float(sum(losses) / 2), rel=1e-5)
 
 
+@pytest.mark.slow  # ~14 s; the MTP loss test stays in the default run
 def test_mtp_is_off_by_default_and_leaves_the_main_weights_alone() -> None:
     assert load_config(CONFIGS / "tiny.yaml").model.mtp_depth == 0
     spec0, params0, _ = _model(0)
