@@ -4,7 +4,8 @@
     python scripts/bench_fp8.py --out fp8.json                     # Small and Large, uniform and Zipf
     python scripts/bench_fp8.py --torch --out torch.json           # torch._scaled_grouped_mm (own process:
                                                                    #   JAX preallocates the GPU's memory)
-    python scripts/bench_fp8.py --sweep --configs small --out s.json   # tile / launch sweep
+    python scripts/bench_fp8.py --sweep --out s.json               # the FP8 kernel's variants: float32
+                                                                   #   promotion, weight layout, tiles
     python scripts/bench_fp8.py --dense --out d.json               # a dense projection: bf16 vs dot_fp8
 
 Per config and group-size distribution: our bf16 gmm (forward; forward+backward), the FP8 kernel
@@ -26,7 +27,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="only the on-device correctness check")
     p.add_argument("--torch", action="store_true", help="only the torch baselines")
-    p.add_argument("--sweep", action="store_true", help="add a tile / launch sweep of the FP8 kernel")
+    p.add_argument("--sweep", action="store_true", help="only the FP8 kernel's variants (accumulation, layout, tiles)")
     p.add_argument("--dense", action="store_true", help="only the dense projection (bf16 vs dot_fp8)")
     p.add_argument("--configs", default="small,large")
     p.add_argument("--dists", default="uniform,zipf")
@@ -46,7 +47,10 @@ def main() -> None:
     if args.dense:
         fp8_bench.bench_dense(rec, args.iters)
         return
-    fp8_bench.bench(rec, configs, dists, args.iters, args.sweep)
+    if args.sweep:
+        fp8_bench.bench_variants(rec, configs, dists, args.iters)
+        return
+    fp8_bench.bench(rec, configs, dists, args.iters)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,16 @@ def main() -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--recipes", default="blockwise,rowwise")
+    p.add_argument("--recipes", default="blockwise,rowwise", help="FP8 runs: recipe names, each optionally "
+                   "with +fast_accum (e.g. rowwise+fast_accum)")  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    curves = fp8_curve.loss_curves(
-        args.config, args.overrides, args.steps, args.recipes.split(","), args.log_every
-    )
     out = pathlib.Path(args.out)
     meta = {**environment(), "config": args.config, "overrides": args.overrides, "steps": args.steps}
-    fp8_curve.write(curves, meta, out)
+    curves = fp8_curve.loss_curves(
+        args.config, args.overrides, args.steps, args.recipes.split(","), args.log_every,
+        on_run=lambda done: fp8_curve.write(done, meta, out),
+    )  # fmt: skip
     fp8_curve.plot(curves, out.with_suffix(".png"), f"{pathlib.Path(args.config).stem}: FP8 vs no FP8")
     print(fp8_curve.summary(curves))
 

@@ -322,3 +322,72 @@ def test_fp8_kernel_lowers_through_triton_for_cuda(case):
     skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize(
+    "recipe, want",
+    [(Recipe("rowwise"), 128), (Recipe("rowwise", fast_accum=True), 1 << 30), (Recipe("blockwise"), 128)],
+)
+def test_fp8_kernel_tells_triton_how_long_to_accumulate_in_the_tensor_core(monkeypatch, recipe, want):
+    """The kernel's tt.dot carries maxNumImpreciseAcc from the recipe (kernels/gmm/fp8_dot.py): Pallas's
+    plain dot leaves it 0, a float32 add after every wgmma, which ran the kernel at 0.55x bf16."""
+    from jax import export
+    from jax._src.pallas.triton import lowering
+
+    from xmoe_jax.kernels.gmm.pallas_fp8 import gmm_fp8_pallas
+
+    seen = []
+    real_dot = lowering.tt_dialect.dot
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_num_imprecise_acc"))
+        return real_dot(*args, **kwargs)
+
+    monkeypatch.setattr(lowering.tt_dialect, "dot", spy)
+    kb = 4 if recipe.block_k else 1
+    sds = jax.ShapeDtypeStruct
+    args = (sds((256, 512), E4M3), sds((256, kb), jnp.float32), sds((4, 384, 512), E4M3),
+            sds((4, kb, 384), jnp.float32), sds((4,), jnp.int32))  # fmt: skip
+    fn = jax.jit(lambda *a: gmm_fp8_pallas(*a, out_dtype=jnp.bfloat16, tile=(128, 128, 128), transpose_rhs=True,
+                                           num_warps=8, num_stages=3, imprecise_acc=recipe.imprecise_acc))  # fmt: skip
+    skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
+    assert seen == [want]
+
+
+def test_kmajor_weights_and_fast_accum_match_the_reference(monkeypatch):
+    """The CUDA layout (weights transposed to K-major where they are quantized, kernel with
+    transpose_rhs), forced on this CPU in interpret mode, forward and dgrad, with the recipe's
+    fast_accum carried to the kernel: same numbers as the float64 emulation of the recipe."""
+    from xmoe_jax.kernels import defaults
+
+    monkeypatch.setitem(defaults.FP8_WEIGHTS_KMAJOR, "cpu", True)
+    recipe = Recipe("rowwise", fast_accum=True, platform="cuda")
+    n = 128  # dgrad contracts over N: a multiple of block_k, so both GEMMs take the kernel
+    x, w, g = _rand((R, K), 15), _rand((E, K, n), 16, 0.05), _rand((R, n), 17)
+    gs = np.asarray(GROUPS[0], np.int32)
+
+    def fwd_dgrad(a, b, c):
+        out, vjp = jax.vjp(lambda a: gmm_fp8(a, b, jnp.asarray(gs), recipe, implementation="pallas",
+                                             tile=(16, 128, 16)), a)  # fmt: skip
+        return out, vjp(c)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the xla oracle warns
+        out, dx = jax.jit(fwd_dgrad)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
+    for got, ref in (
+        (out, _reference(x, w, gs, recipe)),
+        (dx, _reference(g, np.swapaxes(w, 1, 2), gs, recipe)),
+    ):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_fast_accum_is_a_config_choice():
+    from xmoe_jax.config import load_config
+    from xmoe_jax.fp8 import context
+
+    cfg = load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise, fast_accum: true}"])
+    with context.use(cfg.model.fp8):
+        assert context.recipe_for("experts").imprecise_acc == 1 << 30
+    with context.use(load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise}"]).model.fp8):
+        assert context.recipe_for("experts").imprecise_acc == 128

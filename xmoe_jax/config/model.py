@@ -185,6 +185,7 @@ class FP8Config:
 
     recipe: FP8Recipe = "blockwise"
     grad_format: FP8Format = "e4m3"
+    fast_accum: bool = False  # the grouped GEMM's K loop accumulates in the tensor core (fp8/recipe.py)
     projections: bool = True
     experts: bool = True
     dispatch: bool = False

@@ -27,7 +27,7 @@ def use(cfg):
     """FP8 per `cfg` (config.FP8Config, or None: off) inside the block."""
     policy = None
     if cfg is not None:
-        recipe = Recipe(cfg.recipe, grad_format=cfg.grad_format)
+        recipe = Recipe(cfg.recipe, grad_format=cfg.grad_format, fast_accum=cfg.fast_accum)
         policy = {
             "experts": recipe if cfg.experts else None,
             "projections": recipe if cfg.projections else None,

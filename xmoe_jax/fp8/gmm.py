@@ -26,18 +26,22 @@ from xmoe_jax.kernels import backends, tgmm
 from xmoe_jax.kernels.validation import check_gmm_args, out_dtype
 from xmoe_jax.kernels.vma import match_vma
 
+_PROMOTE_EVERY = Recipe().imprecise_acc  # the default recipe's float32 promotion (recipe.py)
+
 
 def gmm_fp8_quantized(
-    lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, block_k, out_dt, impl=None, tile=None
-):
+    lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, block_k, out_dt, impl=None, tile=None,
+    imprecise_acc=_PROMOTE_EVERY,
+):  # fmt: skip
     """Run one FP8 grouped GEMM on already-quantized operands (operands.py layouts); not differentiable."""
     n_dim = rhs_q_EKN.shape[2]
     out_RN = jax.ShapeDtypeStruct((lhs_q_RK.shape[0], n_dim), out_dt)
     call = backends.Call("gmm_fp8", (lhs_q_RK, rhs_q_EKN, out_RN), lhs_q_RK.shape[1], n_dim, tile, block_k)
     backend = backends.choose_backend(impl, call)
     return backend.gmm_fp8(
-        lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dt, tile=tile, block_k=block_k
-    )
+        lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dt, tile=tile, block_k=block_k,
+        imprecise_acc=imprecise_acc,
+    )  # fmt: skip
 
 
 def _forward(lhs_RK, rhs_EKN, group_sizes_E, recipe, lhs_dtype, impl, out_dt, tile):
@@ -45,8 +49,9 @@ def _forward(lhs_RK, rhs_EKN, group_sizes_E, recipe, lhs_dtype, impl, out_dt, ti
     rhs_q, rhs_s = quantize_rhs(rhs_EKN, recipe, recipe.act_dtype)
     block_k = recipe.block_k if lhs_s.shape[1] > 1 else 0
     return gmm_fp8_quantized(
-        lhs_q, lhs_s, rhs_q, rhs_s, group_sizes_E, block_k=block_k, out_dt=out_dt, impl=impl, tile=tile
-    )
+        lhs_q, lhs_s, rhs_q, rhs_s, group_sizes_E, block_k=block_k, out_dt=out_dt, impl=impl, tile=tile,
+        imprecise_acc=recipe.imprecise_acc,
+    )  # fmt: skip
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

@@ -13,6 +13,11 @@ when it runs; no amax history is kept. Activations and weights are e4m3. Output 
 `grad_format`: e4m3 by default (DeepSeek-V3 keeps e4m3 for all tensors; fine-grained scales give
 the range), e5m2 on request (the classic hybrid split, more range, less precision).
 
+Accumulation: Hopper's FP8 tensor cores keep fewer than float32's bits in their accumulator. By
+default the kernel adds each 128-long K slice's partial sum into a float32 register accumulator
+(DeepSeek-V3's promotion); `fast_accum` leaves the whole K loop to the tensor core, as torch's
+`use_fast_accum=True` does (faster; benchmarks/fp8.md measures both, speed and error).
+
 Which GEMMs run in FP8: the forward product and the input gradient (dgrad = grad @ w.T); the
 weight gradient (wgrad = x.T @ grad) stays bf16 with float32 accumulation. Its contraction
 runs over rows, which per-row or 1x128 scales do not factor out of, and the 128x1 tiles it
@@ -37,6 +42,7 @@ class Recipe:
 
     name: str = "blockwise"
     grad_format: str = "e4m3"
+    fast_accum: bool = False  # Hopper FP8 tensor cores' own accumulation along all of K (see below)
     platform: str | None = None  # None: this machine's (formats.py picks OCP or fnuz)
 
     def __post_init__(self) -> None:
@@ -52,6 +58,12 @@ class Recipe:
     @property
     def grad_dtype(self) -> np.dtype:
         return fp8_dtype(self.grad_format, self.platform)
+
+    @property
+    def imprecise_acc(self) -> int:
+        """K elements the FP8 kernel sums inside the tensor core before a float32 add
+        (kernels/gmm/fp8_dot.py): 128 as DeepSeek-V3 promotes, or all of K with fast_accum."""
+        return 1 << 30 if self.fast_accum else BLOCK
 
     @property
     def block_k(self) -> int:

@@ -88,7 +88,19 @@ class Backend:
         """[E, K, N] per-group lhs.T @ grad; see gmm/api.py."""
         raise NotImplementedError(f"{self.name} has no tgmm kernel")
 
-    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
+    def gmm_fp8(
+        self,
+        lhs_q_RK,
+        lhs_s_RB,
+        rhs_q_EKN,
+        rhs_s_EBN,
+        group_sizes_E,
+        *,
+        out_dtype,
+        tile,
+        block_k,
+        imprecise_acc,
+    ):
         """[R, N] scaled FP8 grouped product; scales as xmoe_jax/fp8/operands.py lays them out."""
         raise NotImplementedError(f"{self.name} has no gmm_fp8 kernel")
 
@@ -119,7 +131,20 @@ class Xla(Backend):
     def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
         return gmm_xla.tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype)
 
-    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
+    def gmm_fp8(
+        self,
+        lhs_q_RK,
+        lhs_s_RB,
+        rhs_q_EKN,
+        rhs_s_EBN,
+        group_sizes_E,
+        *,
+        out_dtype,
+        tile,
+        block_k,
+        imprecise_acc,
+    ):
+        del imprecise_acc  # the oracle accumulates in float32 throughout
         return gmm_xla.gmm_fp8_xla(
             lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, block_k=block_k
         )
@@ -173,11 +198,27 @@ class Pallas(Backend):
         launch = self.launch("tgmm", tile, lhs_RK.dtype)
         return self.tgmm_kernel(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, **launch)
 
-    def gmm_fp8(self, lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, *, out_dtype, tile, block_k):
-        tile = self.tile("gmm_fp8", tile)
+    def gmm_fp8(
+        self,
+        lhs_q_RK,
+        lhs_s_RB,
+        rhs_q_EKN,
+        rhs_s_EBN,
+        group_sizes_E,
+        *,
+        out_dtype,
+        tile,
+        block_k,
+        imprecise_acc,
+    ):
+        # epilogue scales with float32 promotion along K have their own best tile (defaults.py)
+        op = "gmm_fp8_promoted" if not block_k and imprecise_acc < lhs_q_RK.shape[1] else "gmm_fp8"
+        tile = self.tile(op, tile)
+        kmajor = defaults.fp8_weights_kmajor()  # Hopper FP8 wgmma reads K-major weights
+        rhs_q = jnp.swapaxes(rhs_q_EKN, 1, 2) if kmajor else rhs_q_EKN
         return gmm_pallas_fp8.gmm_fp8_pallas(
-            lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, tile=tile,
-            **self.launch("gmm_fp8", tile, lhs_q_RK.dtype),
+            lhs_q_RK, lhs_s_RB, rhs_q, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, tile=tile,
+            transpose_rhs=kmajor, imprecise_acc=imprecise_acc, **self.launch(op, tile, lhs_q_RK.dtype),
         )  # fmt: skip
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):

@@ -25,14 +25,37 @@ DEFAULT_IMPLEMENTATION = {
 # (block_m, block_k, block_n) per (backend, platform) and op. For tgmm block_m is the chunk of
 # rows reduced per step and (block_k, block_n) the output tile. Tests pass their own tiles.
 # CUDA values: best of scripts/bench_gmm.py --sweep on one H100 (Small up-projection, bf16).
-# gmm_fp8: block_k is 128, the blockwise recipe's K-block (scripts/bench_fp8.py --sweep).
-_CUDA_TILES = {"gmm": (128, 64, 256), "tgmm": (64, 128, 256), "gmm_fp8": (128, 128, 256)}
-_CUDA_LAUNCH = {"gmm": (8, 4), "tgmm": (8, 3), "gmm_fp8": (8, 4)}  # (num_warps, num_stages)
+# gmm_fp8: block_k is 128, the blockwise recipe's K-block. Epilogue scales with float32 promotion
+# every 128 of K ("gmm_fp8_promoted", the default recipes) ran fastest at (256, 128, 128); the
+# tensor core's own accumulation (recipe fast_accum) and blockwise scales at (128, 128, 256)
+# (scripts/bench_fp8.py --sweep, benchmarks/fp8.md).
+_CUDA_TILES = {
+    "gmm": (128, 64, 256),
+    "tgmm": (64, 128, 256),
+    "gmm_fp8": (128, 128, 256),
+    "gmm_fp8_promoted": (256, 128, 128),
+}
+_CUDA_LAUNCH = {
+    "gmm": (8, 4),
+    "tgmm": (8, 3),
+    "gmm_fp8": (8, 4),
+    "gmm_fp8_promoted": (8, 3),
+}  # (num_warps, num_stages)
 # ROCm: untuned guesses sized for 64 KiB of LDS; measure before trusting.
-_ROCM_TILES = {"gmm": (128, 64, 128), "tgmm": (64, 64, 128), "gmm_fp8": (128, 128, 128)}
-_ROCM_LAUNCH = {"gmm": (8, 2), "tgmm": (8, 2), "gmm_fp8": (8, 2)}
+_ROCM_TILES = {
+    "gmm": (128, 64, 128),
+    "tgmm": (64, 64, 128),
+    "gmm_fp8": (128, 128, 128),
+    "gmm_fp8_promoted": (128, 128, 128),
+}
+_ROCM_LAUNCH = {"gmm": (8, 2), "tgmm": (8, 2), "gmm_fp8": (8, 2), "gmm_fp8_promoted": (8, 2)}
 DEFAULT_TILES = {
-    ("pallas", "cpu"): {"gmm": (16, 16, 16), "tgmm": (16, 16, 16), "gmm_fp8": (16, 128, 16)},
+    ("pallas", "cpu"): {
+        "gmm": (16, 16, 16),
+        "tgmm": (16, 16, 16),
+        "gmm_fp8": (16, 128, 16),
+        "gmm_fp8_promoted": (16, 128, 16),
+    },
     ("pallas", "cuda"): dict(_CUDA_TILES),
     ("triton", "cuda"): dict(_CUDA_TILES),
     ("mgpu", "cuda"): {"gmm": (128, 64, 128), "tgmm": (128, 64, 128)},
@@ -46,6 +69,9 @@ LAUNCH = {
     ("pallas", "rocm"): dict(_ROCM_LAUNCH),
     ("triton", "rocm"): dict(_ROCM_LAUNCH),
 }
+# gmm_fp8 reads the weights K-major ([E, N, K], transposed where they are quantized): Hopper's FP8
+# wgmma takes only K-major B from shared memory, so an N-major tile is transposed in the kernel.
+FP8_WEIGHTS_KMAJOR = {"cuda": True}
 SHARED_MEMORY_BYTES = {"cuda": 227 * 1024, "rocm": 64 * 1024}
 
 
@@ -61,6 +87,10 @@ def default_implementation(op: str) -> str:
 
 def default_tile(implementation: str, op: str = "gmm") -> tuple[int, int, int]:
     return DEFAULT_TILES.get((implementation, platform()), _CUDA_TILES)[op]
+
+
+def fp8_weights_kmajor() -> bool:
+    return FP8_WEIGHTS_KMAJOR.get(platform(), False)
 
 
 def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[int | None, int | None]:

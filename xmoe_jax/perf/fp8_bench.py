@@ -7,6 +7,7 @@ Every measurement is isolated (an OOM or a lowering failure is recorded as a res
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -113,7 +114,14 @@ def check(rec: Recorder, rows: int = 3000, k: int = 1024, n: int = 704) -> bool:
     return ok
 
 
-def bench(rec: Recorder, configs, dists, iters: int, sweep: bool) -> None:
+BENCH_RECIPES = (*(Recipe(name) for name in RECIPES), Recipe("rowwise", fast_accum=True))
+
+
+def label(recipe: Recipe) -> str:
+    return recipe.name + ("+fast_accum" if recipe.fast_accum else "")
+
+
+def bench(rec: Recorder, configs, dists, iters: int) -> None:
     for cname in configs:
         cfg = CONFIGS[cname]
         rows, k, n, e = cfg["tokens"] * cfg["top_k"], cfg["dim"], cfg["hidden"], cfg["experts"]
@@ -144,24 +152,16 @@ def bench(rec: Recorder, configs, dists, iters: int, sweep: bool) -> None:
                 return out, vjp(g)
 
             rec.measure(jax.jit(fwd_bwd_bf16), (x, w, g, gs), 3 * flops, iters, **k2, kind="gmm_bf16_fwdbwd")
-            for name in RECIPES:
-                recipe = Recipe(name)
+            for recipe in BENCH_RECIPES:
+                name = label(recipe)
                 xq, xs = jax.jit(lambda x, r=recipe: quantize_lhs(x, r, r.act_dtype))(x)
                 wq, ws = jax.jit(lambda w, r=recipe: quantize_rhs(w, r, r.act_dtype))(w)
                 bk = recipe.block_k if xs.shape[1] > 1 else 0
-                kern = jax.jit(lambda *a, bk=bk: gmm_fp8_quantized(*a, block_k=bk, out_dt=jnp.bfloat16))
+                kern = jax.jit(lambda *a, bk=bk, ia=recipe.imprecise_acc: gmm_fp8_quantized(
+                    *a, block_k=bk, out_dt=jnp.bfloat16, imprecise_acc=ia))  # fmt: skip
                 rec.measure(
                     kern, (xq, xs, wq, ws, gs), flops, iters, **k2, kind="fp8_kernel_fwd", recipe=name
                 )
-                if name == "blockwise" or sweep:  # the K-major weight layout (Hopper FP8's native one)
-                    wq_t = jnp.swapaxes(wq, 1, 2)
-                    tile = defaults.default_tile("pallas", "gmm_fp8")
-                    nt = jax.jit(lambda a, b, c, d, gs, tile=tile: gmm_fp8_pallas(
-                        a, b, c, d, gs, out_dtype=jnp.bfloat16, tile=tile, transpose_rhs=True,
-                        interpret=interpret(), num_warps=8, num_stages=4))  # fmt: skip
-                    rec.measure(nt, (xq, xs, wq_t, ws, gs), flops, iters, **k2, kind="fp8_kernel_fwd_kmajor",
-                                recipe=name)  # fmt: skip
-                    del wq_t
                 del xq, xs, wq, ws
                 f = jax.jit(lambda x, w, gs, r=recipe: gmm_fp8(x, w, gs, r))
                 rec.measure(f, (x, w, gs), flops, iters, **k2, kind="gmm_fp8_fwd", recipe=name)
@@ -172,24 +172,78 @@ def bench(rec: Recorder, configs, dists, iters: int, sweep: bool) -> None:
 
                 rec.measure(jax.jit(fwd_bwd), (x, w, g, gs), 3 * flops, iters, **k2, kind="gmm_fp8_fwdbwd",
                             recipe=name)  # fmt: skip
-            if sweep and dist == "uniform":
-                recipe = Recipe("blockwise")
-                xq, xs = quantize_lhs(x, recipe, recipe.act_dtype)
-                wq, ws = quantize_rhs(w, recipe, recipe.act_dtype)
-                for tile in [
-                    (64, 128, 128),
-                    (128, 128, 128),
-                    (128, 128, 256),
-                    (64, 128, 256),
-                    (256, 128, 128),
-                ]:
-                    for warps, stages in [(4, 3), (8, 3), (8, 4)]:
-                        fn = jax.jit(lambda *a, t=tile, nw=warps, ns=stages: gmm_fp8_pallas(
-                            *a, out_dtype=jnp.bfloat16, tile=t, num_warps=nw, num_stages=ns))  # fmt: skip
-                        rec.measure(fn, (xq, xs, wq, ws, gs), flops, 5, **k2, kind="sweep_fp8_kernel",
-                                    recipe="blockwise", tile=list(tile), warps=warps, stages=stages)  # fmt: skip
-                del xq, xs, wq, ws
         del x, w, g
+
+
+# The FP8 kernel's variants (scripts/bench_fp8.py --sweep): tensor-core accumulation length before
+# each float32 add (kernels/gmm/fp8_dot.py; 0 is what Pallas's plain dot lowers to), weight
+# layout (K-major: Hopper FP8 wgmma's native B operand), tile and launch.
+IMPRECISE_ACC = (0, 128, 1 << 30)
+TILES = ((128, 128, 256), (128, 128, 128), (256, 128, 128), (128, 256, 128))
+LAUNCHES = ((8, 4), (8, 3))
+
+
+def bench_variants(rec: Recorder, configs, dists, iters: int) -> None:
+    """FP8 kernel alone (operands quantized beforehand) per recipe x accumulation x layout at the
+    default tile, each with its error against the float32 oracle (max |out - ref| / max |ref|),
+    then a tile / launch sweep of the rowwise K-major kernel; bf16 gmm and XLA's dense FP8 dot of
+    the same FLOPs as baselines in the same run."""
+    tile0 = defaults.default_tile("pallas", "gmm_fp8")
+    for cname in configs:
+        cfg = CONFIGS[cname]
+        rows, k, n, e = cfg["tokens"] * cfg["top_k"], cfg["dim"], cfg["hidden"], cfg["experts"]
+        flops = 2.0 * rows * k * n
+        x, w = randn(1, (rows, k)), randn(2, (e, k, n), 0.02)
+        key = dict(config=cname, rows=rows, k=k, n=n, experts=e)
+        a8, b8 = x.astype(jnp.float8_e4m3fn), w[0].astype(jnp.float8_e4m3fn)
+        dense = jax.jit(
+            lambda a, b: jax.lax.dot_general(
+                a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16
+            )
+        )
+        rec.measure(dense, (a8, b8), flops, iters, **key, kind="dense_fp8_xla_bf16out", dist="-")
+        del a8, b8
+        for dist in dists:
+            gs = jnp.asarray(group_sizes(dist, rows, e), jnp.int32)
+            k2 = dict(key, dist=dist)
+            rec.measure(
+                jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, w, gs), flops, iters, **k2, kind="gmm_bf16_fwd"
+            )
+            for name in ("rowwise", "blockwise"):
+                recipe = Recipe(name)
+                xq, xs = jax.jit(lambda x, r=recipe: quantize_lhs(x, r, r.act_dtype))(x)
+                wq, ws = jax.jit(lambda w, r=recipe: quantize_rhs(w, r, r.act_dtype))(w)
+                wq_t = jnp.swapaxes(wq, 1, 2)
+                bk = recipe.block_k if xs.shape[1] > 1 else 0
+                ref = jax.jit(lambda *a, bk=bk: gmm_fp8_quantized(*a, block_k=bk, out_dt=jnp.float32, impl="xla"))(
+                    xq, xs, wq, ws, gs)  # fmt: skip
+
+                ops = (xq, xs, wq, wq_t, ws, gs)
+                run = functools.partial(_variant, rec, ops, ref, flops, iters, dict(k2, recipe=name))
+                layouts = (False, True) if name == "rowwise" and dist == "uniform" else (True,)
+                accs = IMPRECISE_ACC if name == "rowwise" else IMPRECISE_ACC[:2]  # blockwise: bk = 128
+                for kmajor in layouts:
+                    for acc in accs if dist == "uniform" else accs[1:]:
+                        run("fp8_kernel_variant", tile0, 8, 4, kmajor, acc)
+                if name == "rowwise" and dist == "uniform":
+                    for acc in IMPRECISE_ACC[1:]:
+                        for tile in TILES:
+                            for warps, stages in LAUNCHES:
+                                run("sweep_fp8_kernel", tile, warps, stages, True, acc)
+                del xq, xs, wq, ws, wq_t, ref, ops, run
+        del x, w
+
+
+def _variant(rec, ops, ref, flops, iters, key, kind, tile, warps, stages, kmajor, acc) -> None:
+    """One FP8 kernel variant: its TFLOP/s, and its error against the oracle's output `ref`."""
+    xq, xs, wq, wq_t, ws, gs = ops
+    fn = jax.jit(lambda *a: gmm_fp8_pallas(
+        *a, out_dtype=jnp.float32, tile=tile, transpose_rhs=kmajor, num_warps=warps, num_stages=stages,
+        imprecise_acc=acc, interpret=interpret()))  # fmt: skip
+    args = (xq, xs, wq_t if kmajor else wq, ws, gs)
+    row = dict(key, kind=kind, kmajor=kmajor, imprecise_acc=acc, tile=list(tile), warps=warps, stages=stages)
+    if rec.measure(fn, args, flops, iters, **row):
+        rec.rows[-1]["rel_err"] = float(jnp.max(jnp.abs(fn(*args) - ref)) / jnp.max(jnp.abs(ref)))
 
 
 def bench_dense(rec: Recorder, iters: int, rows: int = 32768, k: int = 2048, n: int = 2048) -> None:

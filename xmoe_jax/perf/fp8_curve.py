@@ -10,16 +10,32 @@ from xmoe_jax.config import load_config
 from xmoe_jax.train.loop import train
 
 
-def loss_curves(config: str, overrides: list[str], steps: int, recipes: list[str], log_every: int) -> dict:
-    """{"bf16" or recipe name: {step: loss}} for one run per entry, all else equal."""
+def fp8_override(name: str) -> str:
+    """The model.fp8 override of a run name: "off", a recipe, or "<recipe>+fast_accum"."""
+    if name == "off":
+        return "model.fp8=null"
+    recipe, _, extra = name.partition("+")
+    fast = ", fast_accum: true" if extra == "fast_accum" else ""
+    if extra not in ("", "fast_accum"):
+        raise ValueError(f"FP8 run {name!r}: write a recipe name, optionally with '+fast_accum'")
+    return f"model.fp8={{recipe: {recipe}{fast}}}"
+
+
+def loss_curves(
+    config: str, overrides: list[str], steps: int, recipes: list[str], log_every: int, on_run=None
+) -> dict:
+    """{"off" or run name: {step: loss}} for one run per entry, all else equal; `on_run(curves)`
+    after each run (the script writes what it has, so a time limit keeps the finished runs)."""
     curves = {}
     for name in ["off", *recipes]:
-        fp8 = "model.fp8=null" if name == "off" else f"model.fp8={{recipe: {name}}}"
+        fp8 = fp8_override(name)
         with tempfile.TemporaryDirectory() as run_dir:
             sets = [*overrides, fp8, f"train.steps={steps}", f"train.log_every={log_every}",
                     f"train.run_dir={run_dir}", "checkpoint.enabled=false"]  # fmt: skip
             result = train(load_config(config, sets))
         curves[name] = {int(k): float(v) for k, v in sorted(result.losses.items())}
+        if on_run is not None:
+            on_run(curves)
     return curves
 
 

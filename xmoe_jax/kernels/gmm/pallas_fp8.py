@@ -29,16 +29,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xmoe_jax.kernels.gmm.fp8_dot import dot_acc
 from xmoe_jax.kernels.gmm.metadata import make_group_metadata
 
-_NN = (((1,), (0,)), ((), ()))  # x[m,k] @ w[k,n]
-_NT = (((1,), (1,)), ((), ()))  # x[m,k] @ w[n,k].T
+# K elements summed in the tensor core before each float32 add (fp8_dot.py): DeepSeek-V3's 128
+IMPRECISE_ACC = 128
 
 
-def _dot(x, w, dims):
-    if x.dtype != w.dtype:  # e5m2 grads x e4m3 weights: Pallas's dot takes one element type
+def _dot(x, w, acc, transpose_rhs, imprecise_acc):
+    if x.dtype != w.dtype:  # e5m2 grads x e4m3 weights: Triton's dot takes one element type
         x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)  # exact, at bf16 tensor-core speed
-    return lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+    return dot_acc(x, w, acc, transpose_rhs=transpose_rhs, imprecise_acc=imprecise_acc)
 
 
 def _gmm_fp8_kernel(
@@ -60,6 +61,7 @@ def _gmm_fp8_kernel(
     bk,
     bn,
     transpose_rhs,
+    imprecise_acc,
 ):
     n_tiles = pl.cdiv(n_dim, bn)
     pid = pl.program_id(0)
@@ -84,12 +86,11 @@ def _gmm_fp8_kernel(
         x = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None])
         if transpose_rhs:
             w = plgpu.load(rhs_ref.at[pl.ds(w_group * n_dim + col0, bn), pl.ds(k0, bk)], mask=col_ok[:, None])
-            part = _dot(x, w, _NT)
         else:
             w = plgpu.load(rhs_ref.at[pl.ds(w_group * k_dim + k0, bk), pl.ds(col0, bn)], mask=col_ok[None, :])
-            part = _dot(x, w, _NN)
-        if num_kb == 1:
-            return acc + part
+        if num_kb == 1:  # scales in the epilogue: the K loop accumulates in the tensor core's chain
+            return _dot(x, w, acc, transpose_rhs, imprecise_acc)
+        part = _dot(x, w, jnp.zeros_like(acc), transpose_rhs, imprecise_acc)
         s_row, s_col = scales(kt)
         return acc + part * s_row * s_col
 
@@ -118,6 +119,7 @@ def gmm_fp8_pallas(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    imprecise_acc: int = IMPRECISE_ACC,
 ) -> jax.Array:
     """[R, N] scaled grouped product; rhs_q is [E, K, N] ([E, N, K] with transpose_rhs)."""
     bm, bk, bn = tile
@@ -141,6 +143,7 @@ def gmm_fp8_pallas(
         bk=bk,
         bn=bn,
         transpose_rhs=transpose_rhs,
+        imprecise_acc=imprecise_acc,
     )
     return pl.pallas_call(
         kernel,
