@@ -27,7 +27,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--check", action="store_true", help="only the on-device correctness check")
     p.add_argument("--torch", action="store_true", help="only the torch baselines")
-    p.add_argument("--sweep", action="store_true", help="only the FP8 kernel's variants (accumulation, layout, tiles)")
+    p.add_argument(
+        "--sweep", action="store_true", help="only the FP8 kernel's variants (accumulation, layout, tiles)"
+    )
     p.add_argument("--dense", action="store_true", help="only the dense projection (bf16 vs dot_fp8)")
     p.add_argument("--configs", default="small,large")
     p.add_argument("--dists", default="uniform,zipf")

@@ -183,7 +183,7 @@ class FP8Config:
     the router, norms and attention scores stay in the compute dtype; parameters, optimizer state
     and checkpoints are unchanged, so a run resumes with FP8 switched on or off."""
 
-    recipe: FP8Recipe = "blockwise"
+    recipe: FP8Recipe = "rowwise"  # the fastest on an H100 (benchmarks/fp8.md); blockwise is DeepSeek-V3's
     grad_format: FP8Format = "e4m3"
     fast_accum: bool = False  # the grouped GEMM's K loop accumulates in the tensor core (fp8/recipe.py)
     projections: bool = True

@@ -40,7 +40,7 @@ BLOCK = 128  # DeepSeek-V3's tile: 1x128 activations, 128x128 weights
 class Recipe:
     """One FP8 recipe; hashable, so it can be a static argument of jitted and custom_vjp functions."""
 
-    name: str = "blockwise"
+    name: str = "rowwise"
     grad_format: str = "e4m3"
     fast_accum: bool = False  # Hopper FP8 tensor cores' own accumulation along all of K (see below)
     platform: str | None = None  # None: this machine's (formats.py picks OCP or fnuz)

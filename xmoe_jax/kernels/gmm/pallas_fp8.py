@@ -15,6 +15,10 @@ rhs_s [E, B, N]. With B = 1 (tensorwise and rowwise recipes) the K loop is a pla
 the epilogue multiplies by lhs_s[row] * rhs_s[col]; with B > 1 (blockwise) block_k must equal
 the scales' K-block, and each K step's partial product is scaled before it is accumulated
 (DeepSeek-V3's promotion of partial sums to float32 with their scales, on CUDA cores).
+The dots go through fp8_dot.dot_acc, which tells Triton how many K elements the tensor core may
+sum before a float32 add (`imprecise_acc`: 128 by default, 2^30 for the recipe's fast_accum);
+Pallas's own dot said 0, an add after every wgmma (benchmarks/fp8.md, 0.55x bf16 that way).
+On CUDA the backend passes the weights K-major (backends.py).
 On CPU the kernel runs in interpret mode, where XLA:CPU upcasts the fp8 dot (tests check its
 logic there; the GPU check in scripts/bench_fp8.py checks the Triton lowering).
 """
