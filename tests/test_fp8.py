@@ -391,3 +391,13 @@ def test_fast_accum_is_a_config_choice():
         assert context.recipe_for("experts").imprecise_acc == 1 << 30
     with context.use(load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise}"]).model.fp8):
         assert context.recipe_for("experts").imprecise_acc == 128
+
+
+def test_loss_curve_runs_name_their_fp8_settings():
+    from xmoe_jax.perf.fp8_curve import fp8_override
+
+    assert fp8_override("off") == "model.fp8=null"
+    assert fp8_override("blockwise") == "model.fp8={recipe: blockwise}"
+    assert fp8_override("rowwise+fast_accum") == "model.fp8={recipe: rowwise, fast_accum: true}"
+    with pytest.raises(ValueError, match="fast_accum"):
+        fp8_override("rowwise+fast")

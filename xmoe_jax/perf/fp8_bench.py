@@ -31,6 +31,7 @@ CONFIGS = {
     "large": dict(dim=7168, hidden=2048, experts=32, top_k=8, tokens=8192),
 }
 ZIPF_S = 1.0
+_NN = (((1,), (0,)), ((), ()))  # a[m, k] @ b[k, n]
 
 
 def group_sizes(dist: str, rows: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -117,35 +118,41 @@ def check(rec: Recorder, rows: int = 3000, k: int = 1024, n: int = 704) -> bool:
 BENCH_RECIPES = (*(Recipe(name) for name in RECIPES), Recipe("rowwise", fast_accum=True))
 
 
+def _config(cname: str):
+    """(rows, K, N, experts, forward FLOPs, the rows' key) of an expert shape in CONFIGS."""
+    cfg = CONFIGS[cname]
+    rows, k, n, e = cfg["tokens"] * cfg["top_k"], cfg["dim"], cfg["hidden"], cfg["experts"]
+    return rows, k, n, e, 2.0 * rows * k * n, dict(config=cname, rows=rows, k=k, n=n, experts=e)
+
+
+def _dense_fp8_rows(rec, a8, b8, flops, iters, key, out_dtypes=(jnp.bfloat16,)) -> None:
+    """XLA's dense FP8 dot (cuBLASLt on GPU) of the same FLOPs, per output dtype."""
+    for dt in out_dtypes:
+        fn = jax.jit(lambda a, b, dt=dt: jax.lax.dot_general(a, b, _NN, preferred_element_type=dt))
+        kind = f"dense_fp8_xla_{'bf16' if dt == jnp.bfloat16 else 'f32'}out"
+        rec.measure(fn, (a8, b8), flops, iters, **key, kind=kind, dist="-")
+
+
+def _gmm_bf16_row(rec, x, w, gs, flops, iters, key) -> None:
+    rec.measure(jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, w, gs), flops, iters, **key, kind="gmm_bf16_fwd")
+
+
 def label(recipe: Recipe) -> str:
     return recipe.name + ("+fast_accum" if recipe.fast_accum else "")
 
 
 def bench(rec: Recorder, configs, dists, iters: int) -> None:
     for cname in configs:
-        cfg = CONFIGS[cname]
-        rows, k, n, e = cfg["tokens"] * cfg["top_k"], cfg["dim"], cfg["hidden"], cfg["experts"]
-        flops = 2.0 * rows * k * n
+        rows, k, n, e, flops, key = _config(cname)
         x, w, g = randn(1, (rows, k)), randn(2, (e, k, n), 0.02), randn(3, (rows, n))
-        key = dict(config=cname, rows=rows, k=k, n=n, experts=e)
-        a8 = x.astype(jnp.float8_e4m3fn)
-        b8 = randn(5, (k, n)).astype(jnp.float8_e4m3fn)
         rec.measure(jax.jit(lambda a, b: a @ b), (x, w[0]), flops, iters, **key, kind="dense_bf16", dist="-")
-        rec.measure(
-            jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)),
-            (a8, b8), flops, iters, **key, kind="dense_fp8_xla_bf16out", dist="-",
-        )  # fmt: skip
-        rec.measure(
-            jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)),
-            (a8, b8), flops, iters, **key, kind="dense_fp8_xla_f32out", dist="-",
-        )  # fmt: skip
-        del a8, b8
+        b8 = randn(5, (k, n)).astype(jnp.float8_e4m3fn)
+        _dense_fp8_rows(rec, x.astype(jnp.float8_e4m3fn), b8, flops, iters, key, (jnp.bfloat16, jnp.float32))
+        del b8
         for dist in dists:
             gs = jnp.asarray(group_sizes(dist, rows, e), jnp.int32)
             k2 = dict(key, dist=dist)
-            rec.measure(
-                jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, w, gs), flops, iters, **k2, kind="gmm_bf16_fwd"
-            )
+            _gmm_bf16_row(rec, x, w, gs, flops, iters, k2)
 
             def fwd_bwd_bf16(x, w, g, gs):
                 out, vjp = jax.vjp(lambda a, b: gmm(a, b, gs), x, w)
@@ -190,25 +197,13 @@ def bench_variants(rec: Recorder, configs, dists, iters: int) -> None:
     the same FLOPs as baselines in the same run."""
     tile0 = defaults.default_tile("pallas", "gmm_fp8")
     for cname in configs:
-        cfg = CONFIGS[cname]
-        rows, k, n, e = cfg["tokens"] * cfg["top_k"], cfg["dim"], cfg["hidden"], cfg["experts"]
-        flops = 2.0 * rows * k * n
+        rows, k, n, e, flops, key = _config(cname)
         x, w = randn(1, (rows, k)), randn(2, (e, k, n), 0.02)
-        key = dict(config=cname, rows=rows, k=k, n=n, experts=e)
-        a8, b8 = x.astype(jnp.float8_e4m3fn), w[0].astype(jnp.float8_e4m3fn)
-        dense = jax.jit(
-            lambda a, b: jax.lax.dot_general(
-                a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16
-            )
-        )
-        rec.measure(dense, (a8, b8), flops, iters, **key, kind="dense_fp8_xla_bf16out", dist="-")
-        del a8, b8
+        _dense_fp8_rows(rec, x.astype(jnp.float8_e4m3fn), w[0].astype(jnp.float8_e4m3fn), flops, iters, key)
         for dist in dists:
             gs = jnp.asarray(group_sizes(dist, rows, e), jnp.int32)
             k2 = dict(key, dist=dist)
-            rec.measure(
-                jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, w, gs), flops, iters, **k2, kind="gmm_bf16_fwd"
-            )
+            _gmm_bf16_row(rec, x, w, gs, flops, iters, k2)
             for name in ("rowwise", "blockwise"):
                 recipe = Recipe(name)
                 xq, xs = jax.jit(lambda x, r=recipe: quantize_lhs(x, r, r.act_dtype))(x)
