@@ -303,11 +303,22 @@ def test_operands_layouts():
         assert q.shape == (2, 300, 200) and s.shape == rhs_s
 
 
+def _export_for_cuda(fn, args):
+    """`fn` exported for an H100 from this CPU host. jax 0.12's Pallas Triton lowering reads the GPU's
+    kind from the device or from an abstract mesh's AbstractDevice, so we name one."""
+    from jax import export
+    from jax._src.mesh import AbstractDevice  # the public alias is still missing in jax 0.12
+
+    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda")
+    skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)):
+        return export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
+
+
 @pytest.mark.parametrize("case", ["blockwise", "rowwise_kmajor", "mixed_e5m2"])
 def test_fp8_kernel_lowers_through_triton_for_cuda(case):
     """The Pallas FP8 kernel's Triton lowering, run on CPU by exporting for the cuda platform (the
     PTX compile itself needs a GPU: scripts/bench_fp8.py --check)."""
-    from jax import export
 
     from xmoe_jax.kernels.gmm.pallas_fp8 import gmm_fp8_pallas
 
@@ -319,9 +330,7 @@ def test_fp8_kernel_lowers_through_triton_for_cuda(case):
             sds((4,), jnp.int32))  # fmt: skip
     fn = jax.jit(lambda *a: gmm_fp8_pallas(*a, out_dtype=jnp.bfloat16, tile=(128, 128, 256),
                                            transpose_rhs=transpose, num_warps=8, num_stages=4))  # fmt: skip
-    skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
-    assert "xla.gpu.triton" in exported.mlir_module()
+    assert "xla.gpu.triton" in _export_for_cuda(fn, args).mlir_module()
 
 
 @pytest.mark.parametrize(
@@ -331,7 +340,6 @@ def test_fp8_kernel_lowers_through_triton_for_cuda(case):
 def test_fp8_kernel_tells_triton_how_long_to_accumulate_in_the_tensor_core(monkeypatch, recipe, want):
     """The kernel's tt.dot carries maxNumImpreciseAcc from the recipe (kernels/gmm/fp8_dot.py): Pallas's
     plain dot leaves it 0, a float32 add after every wgmma, which ran the kernel at 0.55x bf16."""
-    from jax import export
     from jax._src.pallas.triton import lowering
 
     from xmoe_jax.kernels.gmm.pallas_fp8 import gmm_fp8_pallas
@@ -350,8 +358,7 @@ def test_fp8_kernel_tells_triton_how_long_to_accumulate_in_the_tensor_core(monke
             sds((4, kb, 384), jnp.float32), sds((4,), jnp.int32))  # fmt: skip
     fn = jax.jit(lambda *a: gmm_fp8_pallas(*a, out_dtype=jnp.bfloat16, tile=(128, 128, 128), transpose_rhs=True,
                                            num_warps=8, num_stages=3, imprecise_acc=recipe.imprecise_acc))  # fmt: skip
-    skip = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    export.export(fn, platforms=["cuda"], disabled_checks=skip)(*args)
+    _export_for_cuda(fn, args)
     assert seen == [want]
 
 
