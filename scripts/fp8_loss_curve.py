@@ -24,13 +24,15 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--recipes", default="blockwise,rowwise", help="FP8 runs: recipe names, each optionally "
                    "with +fast_accum (e.g. rowwise+fast_accum)")  # fmt: skip
+    p.add_argument("--no-off", action="store_true", help="skip the run without FP8 (to add FP8 runs to an earlier "
+                   "curve of the same config, seed and data)")  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = pathlib.Path(args.out)
     meta = {**environment(), "config": args.config, "overrides": args.overrides, "steps": args.steps}
     curves = fp8_curve.loss_curves(
         args.config, args.overrides, args.steps, args.recipes.split(","), args.log_every,
-        on_run=lambda done: fp8_curve.write(done, meta, out),
+        on_run=lambda done: fp8_curve.write(done, meta, out), off=not args.no_off,
     )  # fmt: skip
     fp8_curve.plot(curves, out.with_suffix(".png"), f"{pathlib.Path(args.config).stem}: FP8 vs no FP8")
     print(fp8_curve.summary(curves))
