@@ -59,7 +59,7 @@ def plot(curves: dict, path: pathlib.Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, curve in curves.items():
         ax.plot(list(curve), list(curve.values()), label="no FP8" if name == "off" else f"FP8 {name}")
-    ax.set(xlabel="step", ylabel="train loss", title=title)
+    ax.set(xlabel="step", ylabel="train loss (log scale)", title=title, yscale="log")
     ax.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")
 
