@@ -244,7 +244,7 @@ class ModelConfig:
     # cross-entropy in chunks of this many sequence positions (never [B,S,V] float32 logits); 0 = whole
     loss_chunk: int = 128
     moe: MoEConfig | None = field(default_factory=MoEConfig)
-    # FP8 GEMMs (xmoe_jax/fp8): null = off; {recipe: blockwise|rowwise|tensorwise, ...} = FP8Config
+    # FP8 GEMMs (xmoe_jax/fp8): null = off; {recipe: rowwise|blockwise|tensorwise, ...} = FP8Config
     fp8: FP8Config | None = None
 
     def __post_init__(self) -> None:
