@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport, wire_bytes
+from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport, split_updates, wire_bytes
 
 D = 8  # row width
 N = 32  # send-buffer rows per device
@@ -83,15 +83,20 @@ def _mesh(peers: int) -> Mesh:
     return Mesh(np.asarray(jax.devices()[:peers]), (AXIS,), axis_types=(AxisType.Auto,))
 
 
+# emulated: the padded dense all-to-all; exact: the split ragged plan (XLA:CPU runs it through
+# the exact emulation of ragged_all_to_all's semantics, update by update)
+TRANSPORTS = ("emulated", "exact")
+
+
 @functools.cache
-def _exchange_fn(peers: int, in_rows: int, out_rows: int, reverse: bool = False):
+def _exchange_fn(peers: int, in_rows: int, out_rows: int, reverse: bool = False, transport: str = "emulated"):
     """x [P*in_rows, D], plan of [P, P] arrays -> [P*out_rows, D], one device per row block."""
 
     def body(x_ND, *plan_arrays):
         plan = Plan(*(a[0] for a in plan_arrays))
         if reverse:
             plan = plan.reverse()
-        return exchange(x_ND, plan, out_rows, in_rows, AXIS, "emulated", MAX_CHUNK)
+        return exchange(x_ND, plan, out_rows, in_rows, AXIS, transport, MAX_CHUNK)
 
     spec = PartitionSpec(AXIS)
     fn = jax.shard_map(body, mesh=_mesh(peers), in_specs=(spec,) * 7, out_specs=spec)
@@ -99,8 +104,8 @@ def _exchange_fn(peers: int, in_rows: int, out_rows: int, reverse: bool = False)
 
 
 @functools.cache
-def _grad_fn(peers: int):
-    fwd = _exchange_fn(peers, N, M)
+def _grad_fn(peers: int, transport: str = "emulated"):
+    fwd = _exchange_fn(peers, N, M, transport=transport)
 
     def loss(x, g, plan):
         return jnp.sum(fwd(x, *plan) * g)
@@ -117,29 +122,32 @@ def _inputs(peers: int, seed: int):
 CASES = [(4, 0), (4, 1), (4, 2), (8, 3), (8, 4)]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("peers, seed", CASES)
-def test_exchange_delivers_rows_to_offsets(peers: int, seed: int) -> None:
+def test_exchange_delivers_rows_to_offsets(peers: int, seed: int, transport: str) -> None:
     sizes, in_off, recv_off, plan, x_PND = _inputs(peers, seed)
-    out = _exchange_fn(peers, N, M)(x_PND.reshape(-1, D), *plan)
+    out = _exchange_fn(peers, N, M, transport=transport)(x_PND.reshape(-1, D), *plan)
     want = _expected(x_PND, sizes, in_off, recv_off)
     np.testing.assert_array_equal(np.asarray(out).reshape(peers, M, D), want)  # unsent rows stay 0
     assert not np.asarray(out).reshape(peers, M, D)[1].any()  # device 1 receives nothing
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("peers, seed", CASES)
-def test_reverse_plan_round_trip(peers: int, seed: int) -> None:
+def test_reverse_plan_round_trip(peers: int, seed: int, transport: str) -> None:
     sizes, in_off, recv_off, plan, x_PND = _inputs(peers, seed)
-    out = _exchange_fn(peers, N, M)(x_PND.reshape(-1, D), *plan)
-    back = _exchange_fn(peers, M, N, reverse=True)(out, *plan)
+    out = _exchange_fn(peers, N, M, transport=transport)(x_PND.reshape(-1, D), *plan)
+    back = _exchange_fn(peers, M, N, reverse=True, transport=transport)(out, *plan)
     want = np.where(_sent_mask(sizes, in_off)[..., None], x_PND, 0.0)
     np.testing.assert_array_equal(np.asarray(back).reshape(peers, N, D), want)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("peers, seed", CASES)
-def test_gradient_is_reverse_exchange(peers: int, seed: int) -> None:
+def test_gradient_is_reverse_exchange(peers: int, seed: int, transport: str) -> None:
     sizes, in_off, recv_off, plan, x_PND = _inputs(peers, seed)
     g_PMD = np.random.default_rng(seed + 7).standard_normal((peers, M, D)).astype(np.float32)
-    grad = _grad_fn(peers)(x_PND.reshape(-1, D), g_PMD.reshape(-1, D), plan)
+    grad = _grad_fn(peers, transport)(x_PND.reshape(-1, D), g_PMD.reshape(-1, D), plan)
     back = _exchange_fn(peers, M, N, reverse=True)(g_PMD.reshape(-1, D), *plan)
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(back))
     # and from first principles: d x[i, in_off[i,j] + r] = g[j, recv_off[j,i] + r]
@@ -149,6 +157,17 @@ def test_gradient_is_reverse_exchange(peers: int, seed: int) -> None:
             n = sizes[i, j]
             want[i, in_off[i, j] : in_off[i, j] + n] = g_PMD[j, recv_off[j, i] : recv_off[j, i] + n]
     np.testing.assert_array_equal(np.asarray(grad).reshape(peers, N, D), want)
+
+
+def test_split_updates_cover_each_chunk_in_order():
+    """Pieces are consecutive, cover the chunk exactly, and differ by at most one row (the first
+    size % k pieces get the extra row), so sender and receiver split a chunk identically."""
+    sizes, offsets = jnp.asarray([0, 5, 13, 4], jnp.int32), jnp.asarray([7, 0, 20, 3], jnp.int32)
+    piece, start = (np.asarray(a).reshape(4, 4) for a in split_updates(sizes, offsets, 4))
+    np.testing.assert_array_equal(piece, [[0, 0, 0, 0], [2, 1, 1, 1], [4, 3, 3, 3], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(start[:, 0], offsets)
+    np.testing.assert_array_equal(start[:, 1:], start[:, :-1] + piece[:, :-1])
+    np.testing.assert_array_equal(piece.sum(1), sizes)
 
 
 @pytest.mark.parametrize("peers, seed", [(4, 0), (8, 3)])
@@ -164,6 +183,7 @@ def test_wire_bytes(peers: int, seed: int) -> None:
         decomposed = wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M, decomposed=True)
         assert float(decomposed) == (peers - 1) * M * row_bytes
         assert float(wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M)) == float(ragged)
+        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, "exact", MAX_CHUNK, M)) == float(ragged)
         assert float(emulated) == (peers - 1) * MAX_CHUNK * row_bytes  # every padded chunk
     # a device that sends only to itself puts nothing on the wire with ragged
     only_self = Plan(*(jnp.asarray(a[2]) for a in plan))._replace(

@@ -9,7 +9,7 @@ The trainer, the evaluator, the generator and the memory planner build their ste
      flags the backend started with) is recorded as `parallel.ragged_decomposed`, so moe/ never
      reads XLA flags (`resolve_parallel`, which direct library callers such as perf/ use too);
   2. dropless pft/rbd training with adaptive buffers starts on the ladder's first rung
-     (train/buffers.py), so the planner compiles the step the trainer compiles first.
+     (moe/ladder.py), so the planner compiles the step the trainer compiles first.
 Code outside moe/ asks the dispatcher table whether a mode exchanges tokens
 (`moe.dispatchers.exchanges_tokens`) instead of comparing dispatch names.
 
@@ -27,7 +27,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.exchange import resolve_transport
-from xmoe_jax.train.buffers import BufferLadder, applies
+from xmoe_jax.moe.ladder import BufferLadder, applies
 
 # dotted key -> value: one device, whatever the run's mesh and placement were
 ONE_DEVICE: dict[str, object] = {

@@ -22,9 +22,11 @@ class ParallelConfig:
       `emulated` (its exact emulation, the CPU default); `auto` = bucketed on GPU.
     recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
       the worst case). With adaptive_buffers this is where the trainer starts (None: 1.25).
-    adaptive_buffers: dropless pft/rbd training sizes the buffers itself (train/buffers.py): a
-      step whose copies do not fit is not applied and reruns with the next size of a small
-      ladder up to the worst case; after `buffer_shrink_after` quiet steps it steps back down.
+    adaptive_buffers: dropless pft/rbd training sizes the buffers itself (moe/ladder.py,
+      train/buffers.py): a step whose copies do not fit is not applied and reruns on the ladder's
+      smallest rung that holds its peak (1.05 ... 3 x the average, then the worst case); after
+      `buffer_shrink_after` steps in a row that fit a smaller rung it moves down to the smallest
+      one that holds all their peaks.
     overlap_chunks: pft/rbd split the block's tokens into this many chunks, each dispatched on
       its own, so one chunk's exchange can run while another's experts compute.
     overlap: how pft/rbd order the block so its all-to-alls can run under GEMMs (moe/overlap.py,
@@ -63,7 +65,7 @@ class ParallelConfig:
     transport: Transport = "auto"
     recv_buffer_factor: float | None = None
     adaptive_buffers: bool = True
-    buffer_shrink_after: int = 200
+    buffer_shrink_after: int = 20
     overlap_chunks: int = 1
     overlap: Overlap = "none"
     xla_scheduler: XlaScheduler = "default"

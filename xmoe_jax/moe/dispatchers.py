@@ -174,6 +174,7 @@ _PFT_FIELDS = (
     "peak_rows",
     "buffer_rows",
     "peak_ratio",
+    "exchange_rows",
 )
 _RBD_FIELDS = (
     *_PFT_FIELDS,

@@ -15,8 +15,15 @@ rows back exactly where they came from.
 
 Transports, one function (`exchange`), differentiable through a custom VJP whose
 backward pass is the reverse exchange:
-  ragged    `jax.lax.ragged_all_to_all`: exactly the routed rows on the wire (GPU;
-            not implemented on XLA:CPU);
+  exact     `jax.lax.ragged_all_to_all` with each peer's chunk split into
+            `UPDATES_PER_PEER` updates: exactly the routed rows on the wire. XLA's one-shot
+            kernel (one process, up to 8 peers of one host) runs one 128-thread block per
+            update, so one update per peer starves it (0.08-2.7 GB/s measured); split, it
+            moves the routed rows at dense all-to-all speed (benchmarks/exchange.md). Needs
+            the `default` ragged preset (launch/xla_flags.py: no decomposer). On CPU, where XLA
+            has no ragged all-to-all, the same split plan runs through an exact emulation;
+  ragged    `jax.lax.ragged_all_to_all` with one update per peer, as XLA lowers it under
+            the process's preset (GPU; not implemented on XLA:CPU);
   emulated  a dense `all_to_all` of per-peer chunks padded to a static bound, then
             scattered to the same offsets: moves the same rows to the same places,
             with padding on the wire. Works everywhere; the CPU tests use it.
@@ -24,7 +31,7 @@ The third transport, `bucketed`, is not a ragged exchange: pft lays its buffers 
 fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
 `all_to_all` (layouts.py).
 
-What goes on the wire: `ragged` under XLA's default kernel sends the routed rows; under
+What goes on the wire: `exact`, and `ragged` under XLA's default kernel, send the routed rows; under
 the `decomposer` preset (launch/xla_flags.py) XLA rewrites it into a dense all-to-all of the
 whole receive buffer per peer, so (P-1) x M rows leave each device whatever the routing;
 `emulated` sends (P-1) padded chunks. `wire_bytes` reports that, not the routed rows.
@@ -40,7 +47,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax.kernels.vma import match_vma
+
 GPU_BACKENDS = ("gpu", "cuda", "rocm")  # where `auto` means `bucketed`
+# updates per peer of the `exact` transport: XLA's one-shot kernel gives each update one
+# 128-thread block; with 512 per peer the 4x H200 probe moved exact bytes at the dense
+# all-to-all's speed (k=1: 25.8 ms, k=128: 1.40-1.53 ms, k>=512: 1.32-1.36 ms for 16,384 rows
+# x 2048 bf16 per pair; issue 29)
+UPDATES_PER_PEER = 512
 
 
 class Plan(NamedTuple):
@@ -121,7 +135,49 @@ def _emulated(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -
     return out_MD.at[dst_PC.reshape(-1)].set(recv_PCD.reshape(-1, x_ND.shape[1]), mode="drop")
 
 
-_TRANSPORTS = {"ragged": _ragged, "emulated": _emulated}
+def split_updates(sizes_P: jax.Array, offsets_P: jax.Array, updates: int) -> tuple[jax.Array, jax.Array]:
+    """Each chunk (offset, size) as `updates` consecutive near-equal pieces, peer-major
+    ([P * updates] sizes and offsets): the first size % updates pieces get one row more. A
+    receiver splits what a source sends it the same way, so both sides agree piece by piece."""
+    j_U = jnp.arange(updates, dtype=sizes_P.dtype)
+    base_P, rem_P = sizes_P // updates, sizes_P % updates
+    piece_PU = base_P[:, None] + (j_U[None, :] < rem_P[:, None]).astype(sizes_P.dtype)
+    start_PU = j_U[None, :] * base_P[:, None] + jnp.minimum(j_U[None, :], rem_P[:, None])
+    return piece_PU.reshape(-1), (offsets_P[:, None] + start_PU).reshape(-1)
+
+
+def _emulated_ragged(x_ND, out_MD, in_off_X, send_X, out_off_X, recv_X, axis_name, max_piece):
+    """`jax.lax.ragged_all_to_all`'s semantics (X = P * k updates, update i to peer i // k) as a
+    dense `all_to_all` of every update padded to `max_piece` rows: for XLA:CPU, which has none."""
+    num_x = in_off_X.shape[0]
+    rows_C = jnp.arange(max_piece, dtype=jnp.int32)
+    src_XC = jnp.where(rows_C[None, :] < send_X[:, None], in_off_X[:, None] + rows_C[None, :], x_ND.shape[0])
+    pieces_XCD = x_ND.at[src_XC].get(mode="fill", fill_value=0)
+    pieces_XCD = jax.lax.all_to_all(pieces_XCD, axis_name, 0, 0, tiled=True)  # now from peer i // k
+    out_off_X = jax.lax.all_to_all(out_off_X, axis_name, 0, 0, tiled=True)  # where they land here
+    dst_XC = jnp.where(
+        rows_C[None, :] < recv_X[:, None], out_off_X[:, None] + rows_C[None, :], out_MD.shape[0]
+    )
+    return out_MD.at[dst_XC.reshape(-1)].set(pieces_XCD.reshape(num_x * max_piece, -1), mode="drop")
+
+
+def _exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+    updates = min(UPDATES_PER_PEER, max(max_chunk, 1))
+    send_X, in_off_X = split_updates(plan.send_sizes_P, plan.input_offsets_P, updates)
+    _, out_off_X = split_updates(plan.send_sizes_P, plan.output_offsets_P, updates)
+    recv_X, _ = split_updates(plan.recv_sizes_P, plan.recv_offsets_P, updates)
+    out_MD = jnp.zeros((out_rows, x_ND.shape[1]), x_ND.dtype)
+    args = (x_ND, out_MD, in_off_X, send_X, out_off_X, recv_X)
+    max_piece = -(-max_chunk // updates)
+    # both branches typed alike inside shard_map: varying over the axes x varies over
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=lambda *a: match_vma(_emulated_ragged(*a, axis_name, max_piece), a[0])[0],
+        default=lambda *a: match_vma(jax.lax.ragged_all_to_all(*a, axis_name=axis_name), a[0])[0],
+    )
+
+
+_TRANSPORTS = {"exact": _exact, "ragged": _ragged, "emulated": _emulated}
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
@@ -159,7 +215,8 @@ def wire_bytes(
 ) -> jax.Array:
     """Bytes this device puts on the wire to other peers in one exchange (rows to itself stay local).
 
-    `ragged` sends exactly the routed rows, or (P-1) whole receive buffers of `out_rows` when XLA
+    `exact` and `ragged` send exactly the routed rows (`exact`'s CPU emulation pads, but CPU has
+    no wire), or (P-1) whole receive buffers of `out_rows` when XLA
     decomposes it (`decomposed`: `parallel.ragged_decomposed`); `emulated` sends every padded chunk.
     """
     num_peers = plan.send_sizes_P.shape[0]

@@ -44,7 +44,7 @@ from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
 from xmoe_jax.moe.experts import combined_experts, grouped_experts
 from xmoe_jax.moe.stages import Stages
-from xmoe_jax.moe.stats import ExchangeStats
+from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
@@ -167,7 +167,7 @@ def pft_stages(
         stats = ExchangeStats(
             num_overflow=jnp.zeros((), jnp.int32), recv_rows=counts_E.sum(), wire_bytes=zero,
             routed_bytes=zero, peak_rows=counts_E.sum(), buffer_rows=jnp.asarray(num_send, jnp.int32),
-            peak_ratio=zero,
+            peak_ratio=zero, exchange_rows=counts_E.sum().reshape(1, 1),
         )  # fmt: skip
         return y_TD.astype(x_TD.dtype), stats
     else:
@@ -200,6 +200,9 @@ def pft_stages(
             peak_rows=lay.peak_rows,
             buffer_rows=jnp.asarray(lay.buffer_rows, jnp.int32),
             peak_ratio=lay.peak_rows.astype(jnp.float32) / (spec.mean_rows or 1.0),
+            exchange_rows=exchange_matrix(
+                topk_idx_TK, keep_TK, num_e, num_peers, jax.lax.axis_index(axis_name)
+            ),
         )
 
     y_TD = combine(y_send_AD, dest_TK, jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32))

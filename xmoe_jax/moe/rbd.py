@@ -44,6 +44,7 @@ from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_from_sizes, wire_bytes
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
+from xmoe_jax.moe.stats import exchange_matrix
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
@@ -214,5 +215,9 @@ def rbd_stages(
         inter_node_rows=inter,
         wire_bytes_node=2 * node_wire,
         routed_bytes_node=2 * row_bytes * inter.astype(jnp.float32),
-    )
+        exchange_rows=exchange_matrix(  # over the whole expert axis, node-major
+            topk_idx_TK, keep_TK, num_experts, num_nodes * local_size,
+            jax.lax.axis_index((node_axis, local_axis)),
+        ),
+    )  # fmt: skip
     return y_TD.astype(x_TD.dtype), stats

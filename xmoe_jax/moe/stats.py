@@ -53,6 +53,8 @@ FIELDS: dict[str, Field] = {
     "wire_bytes_node": Field(per_device=True, chunks="sum", micro="sum"),
     "routed_bytes_node": Field(per_device=True, chunks="sum", micro="sum"),
     "max_nodes_per_token": Field(per_device=True, chunks="max", micro="max"),
+    # [P, P] routed rows from expert-axis rank s to rank d, summed over the batch's shards
+    "exchange_rows": Field(per_device=False, chunks="sum", micro="sum"),
 }
 PER_DEVICE = tuple(name for name, field in FIELDS.items() if field.per_device)
 
@@ -72,6 +74,7 @@ class ExchangeStats(NamedTuple):
     wire_bytes_node: jax.Array | None = None  # rbd: bytes on the node axis (stage 1, both ways)
     routed_bytes_node: jax.Array | None = None  # rbd: pilot bytes stage 1 needed (both ways)
     max_nodes_per_token: jax.Array | None = None  # rbd: most nodes one of this device's tokens reached
+    exchange_rows: jax.Array | None = None  # [P, P]: row `me` holds the rows routed to each peer
 
 
 class MoEStats(NamedTuple):
@@ -94,9 +97,19 @@ class MoEStats(NamedTuple):
     wire_bytes_node: jax.Array | None = None
     routed_bytes_node: jax.Array | None = None
     max_nodes_per_token: jax.Array | None = None
+    exchange_rows: jax.Array | None = None
 
     def with_exchange(self, ex: ExchangeStats | None) -> MoEStats:
         return self if ex is None else self._replace(**ex._asdict())
+
+
+def exchange_matrix(topk_idx_TK, keep_TK, num_experts: int, num_peers: int, me) -> jax.Array:
+    """[P, P] int32 whose row `me` counts the kept copies this device routes to each peer of the
+    exchange axis (rows it keeps on the diagonal); summed over the token axes (body.py) it is the
+    batch's source x destination matrix, the input of `exchange_bound_ratio` (train/metrics.py)."""
+    dest_TK = topk_idx_TK // (num_experts // num_peers)
+    row_P = jnp.zeros((num_peers,), jnp.int32).at[dest_TK].add(keep_TK.astype(jnp.int32))
+    return jnp.zeros((num_peers, num_peers), jnp.int32).at[me].set(row_P)
 
 
 def merge_chunks(parts: list[ExchangeStats]) -> ExchangeStats:

@@ -62,8 +62,8 @@ def place_inputs(params, x_TD, parallel: ParallelConfig, mesh):
 
 
 def settled_rung(cfg: MoEConfig, parallel: ParallelConfig, params, x_TD, mesh) -> ParallelConfig:
-    """`parallel` with the smallest buffer rung (train/buffers.py) that holds this routing's peak."""
-    from xmoe_jax.train.buffers import rung_for
+    """`parallel` with the smallest buffer rung (moe/ladder.py) that holds this routing's peak."""
+    from xmoe_jax.moe.ladder import rung_for
 
     worst = dataclasses.replace(parallel, recv_buffer_factor=None)
     _, stats = jax.jit(lambda p, x: moe_layer(p, x, cfg, worst, mesh=mesh))(params, x_TD)

@@ -81,14 +81,30 @@ def expert_stats(tokens_per_expert_LE, drop_rate_L, recv_rows_LP=None) -> dict:
     return out
 
 
+def exchange_bound_ratio(rows_PP) -> float:
+    """How much faster an exact exchange could be than a dense one on this routing: a dense
+    all-to-all moves (P-1) x the largest off-diagonal pair per device, an exact one is bound by
+    the busiest device's off-diagonal sends or receives. R = (P-1) x max pair / max(row or column
+    sum), both off the diagonal (rows a device keeps never travel); 1.0 is uniform routing (no
+    prize), P-1 is one hot pair. 1.0 when nothing crosses devices."""
+    rows = np.asarray(rows_PP, np.float64)
+    off = rows * (1 - np.eye(rows.shape[0]))
+    busiest = max(off.sum(0).max(), off.sum(1).max())
+    return 1.0 if busiest == 0 else float((rows.shape[0] - 1) * off.max() / busiest)
+
+
 def exchange_stats(metrics: dict, ladder) -> dict:
     """Per-layer wire accounting (bytes per device, dispatch + combine: what the transport moved and
-    what the routing needed) and the adaptive buffers' state."""
+    what the routing needed), the routed rows between expert-axis ranks ([P, P] per layer, summed over
+    the data shards and micro-batches) with their `exchange_bound_ratio`, and the adaptive buffers' state."""
     wire_L = np.asarray(metrics["wire_bytes"], np.float64).mean(-1)
     routed_L = np.asarray(metrics["routed_bytes"], np.float64).mean(-1)
+    rows_LPP = np.asarray(metrics["exchange_rows"], np.int64)
     return {
         "wire_bytes": [round(float(v)) for v in wire_L],
         "routed_bytes": [round(float(v)) for v in routed_L],
+        "exchange_rows": rows_LPP.tolist(),
+        "exchange_bound_ratio": [round(exchange_bound_ratio(r), 3) for r in rows_LPP],
         "peak_ratio": round(float(metrics["peak_ratio"]), 3),
         "buffer_factor": ladder.factor,
         "buffer_changes": ladder.changes,

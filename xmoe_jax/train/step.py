@@ -165,6 +165,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
                 metrics["peak_ratio"] = stacked.peak_ratio.max()
                 metrics["wire_bytes"] = stacked.wire_bytes  # [L, devices]
                 metrics["routed_bytes"] = stacked.routed_bytes
+                metrics["exchange_rows"] = stacked.exchange_rows  # [L, P, P]
         return new_state, metrics
 
     return jax.jit(

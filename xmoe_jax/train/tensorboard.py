@@ -10,6 +10,8 @@ never disagree and the loop knows nothing about TensorBoard.
   moe/imbalance/layer_<i>        max/mean routed copies of MoE layer i (i counts MoE layers)
   moe/drop_rate/layer_<i>        dropped share of routed copies
   moe/recv_imbalance/layer_<i>   pft/rbd: max/mean rows received per device
+  moe/exchange_bound_ratio/layer_<i>  pft/rbd: (P-1) x the largest pair / the busiest device's
+                                 sends or receives (what an exact exchange could gain on a dense one)
   moe/expert_load/layer_<i>      histogram whose x axis is the expert index and whose height is
                                  the expert's load (routed copies / mean): a collapsed router
                                  shows as one tall bar
@@ -38,6 +40,7 @@ LAYER_SCALARS = {
     "expert_imbalance": "imbalance",
     "drop_rate": "drop_rate",
     "recv_imbalance": "recv_imbalance",
+    "exchange_bound_ratio": "exchange_bound_ratio",
 }
 
 
