@@ -20,8 +20,8 @@ import trainer_parts
 
 from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig, load_config
 from xmoe_jax.moe import init_moe_params, moe_layer
-from xmoe_jax.sharding import make_mesh
 from xmoe_jax.moe.ladder import RUNGS, BufferLadder
+from xmoe_jax.sharding import make_mesh
 from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.errors import TrainingError
 
