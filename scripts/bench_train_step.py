@@ -16,15 +16,19 @@ import json
 import logging
 import tempfile
 
+from xmoe_jax.config import load_config  # plain Python: no JAX yet
 from xmoe_jax.launch import xla_flags
 
-xla_flags.apply_defaults()  # before JAX starts its backend (XMOE_XLA_SCHEDULER picks the scheduler)
 
-import jax  # noqa: E402
-
-from xmoe_jax.config import load_config  # noqa: E402
-from xmoe_jax.perf.timing import dense_matmul_tflops, environment  # noqa: E402
-from xmoe_jax.train.loop import train  # noqa: E402
+def _summary(record: dict) -> dict:
+    """One logged step in a line: throughput, loss, routing and the exchange's buffers and bytes."""
+    out = {k: record.get(k) for k in ("step", "loss", "tokens_per_s", "mfu", "buffer_factor", "peak_ratio")}
+    if record.get("expert_imbalance"):
+        out["max_imbalance"] = max(record["expert_imbalance"])
+    if record.get("routed_bytes"):
+        out["wire_over_routed"] = sum(record["wire_bytes"]) / max(sum(record["routed_bytes"]), 1)
+        out["bound_ratio_mean"] = sum(record["exchange_bound_ratio"]) / len(record["exchange_bound_ratio"])
+    return out
 
 
 def main() -> None:
@@ -54,7 +58,19 @@ def main() -> None:
             "checkpoint.enabled=false",
         ]
         cfg = load_config(args.config, overrides)
+        # before JAX starts its backend: the config's scheduler (else XMOE_XLA_SCHEDULER) and the
+        # ragged preset its transport needs (`exact`: XLA's one-shot kernel, no decomposer)
+        sched = cfg.parallel.xla_scheduler
+        xla_flags.apply_defaults(
+            scheduler=None if sched == "default" else sched, transport=cfg.parallel.transport
+        )
+        from xmoe_jax.train.loop import train
+
         result = train(cfg)
+    import jax
+
+    from xmoe_jax.perf.timing import dense_matmul_tflops, environment
+
     last = result.records[-1]
     memory = jax.local_devices()[0].memory_stats() or {}
     ceiling = dense_matmul_tflops(args.matmul_size)
@@ -84,9 +100,19 @@ def main() -> None:
         "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
         "exchange": {
             k: last[k]
-            for k in ("wire_bytes", "routed_bytes", "peak_ratio", "buffer_factor", "buffer_changes")
+            for k in (
+                "wire_bytes",
+                "routed_bytes",
+                "peak_ratio",
+                "buffer_factor",
+                "buffer_changes",
+                "exchange_rows",
+                "exchange_bound_ratio",
+            )
             if k in last
         },  # fmt: skip
+        "transport": cfg.parallel.transport,
+        "history": [_summary(r) for r in result.records if "loss" in r],
     }
     print(json.dumps(out, indent=1))
     if args.out:

@@ -173,7 +173,8 @@ def train_main(argv: list[str] | None = None) -> int:
         _start_line(args.config, cfg)
     from xmoe_jax.launch.xla_flags import apply_defaults
 
-    apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
+    # before anything starts JAX's backend
+    apply_defaults(scheduler=cfg.parallel.xla_scheduler, transport=cfg.parallel.transport)
     launch = initialize_from_args(args)  # before any other JAX use
     distributed.quiet_unless_main(launch)
     from xmoe_jax.launch import peers

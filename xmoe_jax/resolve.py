@@ -24,9 +24,9 @@ import dataclasses
 import jax
 
 from xmoe_jax import sharding
-from xmoe_jax.config import Config, ParallelConfig
+from xmoe_jax.config import Config, ConfigError, ParallelConfig
 from xmoe_jax.launch import xla_flags
-from xmoe_jax.moe.exchange import resolve_transport
+from xmoe_jax.moe.exchange import GPU_BACKENDS, resolve_transport
 from xmoe_jax.moe.ladder import BufferLadder, applies
 
 # dotted key -> value: one device, whatever the run's mesh and placement were
@@ -73,6 +73,12 @@ def resolve_placement(cfg: Config, num_exchange_devices: int, backend: str | Non
     if cfg.model.moe is None:
         return cfg
     parallel = resolve_parallel(cfg.parallel, backend or jax.default_backend())
+    if parallel.transport == "exact" and jax.process_count() > 1 and jax.default_backend() in GPU_BACKENDS:
+        raise ConfigError(
+            f"parallel.transport=exact runs XLA's one-shot ragged all-to-all kernel, which needs one process "
+            f"for all GPUs of a host; this run has {jax.process_count()} processes (XLA refuses: 'fallback to "
+            "NCCL is not allowed'); use parallel.transport=bucketed (or auto) with one process per GPU"
+        )
     # ragged: one warning if this process's XLA flags did not take effect (a concrete choice passes)
     xla_flags.transport_for(parallel.transport, jax.default_backend())
     ladder = BufferLadder(parallel, applies(cfg, num_exchange_devices))

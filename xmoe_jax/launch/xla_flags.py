@@ -88,9 +88,12 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-def wanted_preset(preset: str | None = None) -> str:
-    """The ragged all-to-all preset asked for (argument, else XMOE_RAGGED_A2A, else the default)."""
-    preset = preset or os.environ.get("XMOE_RAGGED_A2A", DEFAULT_RAGGED_A2A_PRESET)
+def wanted_preset(preset: str | None = None, transport: str | None = None) -> str:
+    """The ragged all-to-all preset asked for (argument, else XMOE_RAGGED_A2A, else the default for
+    `transport`: XLA's own one-shot kernel for `exact`, which feeds it many updates per peer and
+    would be padded by the decomposer; the decomposer otherwise)."""
+    fallback = "default" if transport == "exact" else DEFAULT_RAGGED_A2A_PRESET
+    preset = preset or os.environ.get("XMOE_RAGGED_A2A", fallback)
     if preset not in RAGGED_A2A_PRESETS:
         raise ValueError(f"XMOE_RAGGED_A2A={preset!r} is not one of {sorted(RAGGED_A2A_PRESETS)}")
     return preset
@@ -139,11 +142,15 @@ def effective_preset(flags: str | None = None) -> str:
 
 
 def apply_defaults(
-    preset: str | None = None, extra: dict[str, str] | None = None, scheduler: str | None = None
+    preset: str | None = None,
+    extra: dict[str, str] | None = None,
+    scheduler: str | None = None,
+    transport: str | None = None,
 ) -> str:
-    """Adds the ragged all-to-all preset's flags, the scheduler preset's (`wanted_scheduler`) and
-    `extra` to XLA_FLAGS, each unless XLA_FLAGS already sets it (the user wins); returns XLA_FLAGS."""
-    preset = wanted_preset(preset)
+    """Adds the ragged all-to-all preset's flags (`wanted_preset(preset, transport)`), the scheduler
+    preset's (`wanted_scheduler`) and `extra` to XLA_FLAGS, each unless XLA_FLAGS already sets it
+    (the user wins); returns XLA_FLAGS. `transport`: `parallel.transport` (XMOE_TRANSPORT for scripts)."""
+    preset = wanted_preset(preset, transport or os.environ.get("XMOE_TRANSPORT"))
     scheduler = wanted_scheduler(scheduler)
     started = _backend_started()
     if started:
@@ -185,6 +192,18 @@ def transport_for(requested: str, backend: str, flags: str | None = None) -> str
         return "bucketed" if on_gpu else "emulated"
     if not on_gpu or requested in ("emulated", "bucketed"):
         return requested
+    if requested == "exact":
+        effective = effective_preset(flags)
+        if effective != "default":
+            _warn_once(
+                "transport:exact",
+                f"parallel.transport=exact feeds XLA's one-shot ragged all-to-all kernel, but the backend "
+                f"started with the {effective!r} ragged preset ("
+                + ("the decomposer pads every chunk to the receive buffer on the wire" if effective == "decomposer"
+                   else "the NCCL send/recv fallback, which hung in our runs")
+                + "); unset XMOE_RAGGED_A2A and the ragged flags in XLA_FLAGS, or use parallel.transport=bucketed",
+            )  # fmt: skip
+        return "exact"
     preset = wanted_preset()
     parsed = _parse(effective_flags() if flags is None else flags)
     missing = [f"--{k}={v}" for k, v in RAGGED_A2A_PRESETS[preset].items() if parsed.get(k) != v]
