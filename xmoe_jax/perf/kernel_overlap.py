@@ -2,7 +2,8 @@
 
 A trace (`*.xplane.pb`, written by `train.profile_steps` or `jax.profiler.trace`) holds one plane
 per GPU (`/device:GPU:<i>`) whose `Stream #...` lines are the kernels as the GPU ran them. Per GPU:
-  1. kernels are sorted into NCCL (`nccl` in the name), GEMM (cuBLAS/cuBLASLt, CUTLASS, Triton
+  1. kernels are sorted into the exchange (`nccl` in the name, or XLA's own ragged all-to-all
+     kernel that the `exact` transport runs: `ragged` in the name), GEMM (cuBLAS/cuBLASLt, CUTLASS, Triton
      GEMM fusions, our Pallas grouped GEMMs `xmoe_gmm`/`xmoe_tgmm`: `GEMM_PATTERN`) and other compute;
   2. each kind's intervals are merged into a union (overlapping kernels of one kind count once);
   3. the report is the time NCCL kernels ran, and how much of it a GEMM (or any compute kernel) ran
@@ -20,7 +21,7 @@ import os
 import re
 from collections.abc import Iterable
 
-NCCL_PATTERN = re.compile(r"nccl", re.IGNORECASE)
+NCCL_PATTERN = re.compile(r"nccl|ragged", re.IGNORECASE)
 GEMM_PATTERN = re.compile(r"gemm|gmm|nvjet|cutlass|xmma|cublas|matmul|_dot", re.IGNORECASE)
 
 Interval = tuple[float, float]  # (start, end) in ns
