@@ -1,7 +1,7 @@
 """Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-plan`, `xmoe-tokenize`, `xmoe-eval`,
 `xmoe-plot`, `xmoe-generate`, `xmoe-convert`.
 
-    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start]
+    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start] [--new-data]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus

@@ -169,11 +169,6 @@ def _start(
     start = candidates[0] if candidates else None
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
-    if ckpt is not None:  # what the data position indexes into: recorded, and checked on resume
-        ckpt.data_fingerprint = fingerprint.of_data(cfg.data)
-    same_data = start is None or fingerprint.check_resume(
-        ckpt.directory, start, ckpt.data_fingerprint, new_data
-    )
     if start is not None and start == cfg.train.steps:  # a restart loop's last round: nothing to do
         log.info("already finished: checkpoint step %d in %s is train.steps", start, ckpt.directory)
         ckpt.close()
@@ -183,6 +178,11 @@ def _start(
             f"the checkpoint in {ckpt.directory} is at step {start}, past train.steps={cfg.train.steps}; "
             f"set train.steps to {start} or more"
         )
+    if ckpt is not None:  # what the data position indexes into: recorded, and checked on resume
+        ckpt.data_fingerprint = fingerprint.of_data(cfg.data)
+    same_data = start is None or fingerprint.check_resume(
+        ckpt.directory, start, ckpt.data_fingerprint, new_data
+    )
     if num_processes > 1:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("xmoe_jax: run directory checked")
     is_main = process_index == 0
