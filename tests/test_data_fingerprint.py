@@ -121,7 +121,7 @@ def test_the_fingerprint_is_sealed_in_the_checkpoint_manifest() -> None:
     assert fingerprint.MANIFEST_KEY not in old
 
 
-@pytest.mark.slow  # ~40 s: three short runs of the tiny model
+@pytest.mark.slow  # three short runs of the tiny model (5 min on 2 shared CPU cores)
 def test_resume_on_changed_data_is_refused_and_new_data_starts_at_position_0(tmp_path, capsys) -> None:
     from clirun import args, tiny_config
 
