@@ -1,19 +1,26 @@
 """`xmoe-tokenize`: shards and summary, an interrupted job resumed equals an uninterrupted one,
-another job's output is refused, and the trainer reads the result."""
+another job's output is refused, and the trainer reads the result. Bad input is one line, status 2
+(issue 31): a damaged manifest.json, inputs edited before a resume, --shard-tokens 0, an --output
+that is a file or lacks its folder, an output another xmoe-tokenize holds; Ctrl-C is one line."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from data_helpers import documents, train_bpe, write_jsonl, write_parquet
 
 from xmoe_jax.cli import tokenize_main
-from xmoe_jax.config import DataConfig
+from xmoe_jax.config import ConfigError, DataConfig
 from xmoe_jax.data import arrayrecord, load_tokenizer, make_input
+from xmoe_jax.train import runlock
 
 DOCS = documents(400, seed=3)
+LOCK_NAME = "tokenize.lock"  # in the output folder while a job runs
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +84,12 @@ def test_interrupted_job_resumes_to_the_same_shards(inputs, monkeypatch, capsys)
         return real_commit(self)
 
     monkeypatch.setattr(arrayrecord.ShardWriter, "commit", crash_on_third)
-    with pytest.raises(KeyboardInterrupt):
-        tokenize_main(_args(inputs, "split"))
+    capsys.readouterr()
+    assert tokenize_main(_args(inputs, "split")) == 130  # Ctrl-C: one line, no traceback
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("xmoe-tokenize: interrupted;") and "run the same command to resume" in err[-1]
     monkeypatch.undo()
+    assert not (inputs / "split" / LOCK_NAME).exists()  # released
     partial = json.loads((inputs / "split" / "manifest.json").read_text())
     assert len(partial["shards"]) == 2 and not partial["complete"]
     assert not list((inputs / "split").glob("*.tmp"))
@@ -104,3 +114,90 @@ def test_another_jobs_output_is_refused(inputs, capsys) -> None:
     assert tokenize_main(_args(inputs, "job") + ["--text-field", "body"]) == 2
     assert tokenize_main(["--input", str(inputs / "nowhere"), "--tokenizer", "bytes", "--output", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_a_damaged_manifest_is_named_by_tokenize_and_train(inputs, capsys) -> None:
+    assert tokenize_main(_args(inputs, "damaged")) == 0
+    manifest = inputs / "damaged" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:60])  # truncated
+    capsys.readouterr()
+    assert tokenize_main(_args(inputs, "damaged")) == 2
+    line = _one_line_error(capsys)
+    assert f"{manifest} is damaged (Unterminated string" in line and "xmoe-tokenize command again" in line
+    with pytest.raises(ConfigError, match=r"manifest.json is damaged \(Unterminated string"):
+        make_input(DataConfig(path=str(inputs / "damaged")), seq_len=8, batch_size=1, vocab_size=512)
+
+
+def test_a_resume_over_edited_inputs_is_refused_naming_the_file(
+    inputs, tmp_path, monkeypatch, capsys
+) -> None:
+    corpus = tmp_path / "corpus"
+    write_jsonl(corpus / "a.jsonl", DOCS[:150])
+    write_jsonl(corpus / "b.jsonl", DOCS[150:])
+    argv = [*_args(inputs, "edited"), "--input", str(corpus)]
+    monkeypatch.setattr(arrayrecord.ShardWriter, "commit", _interrupt_on_call(2))
+    assert tokenize_main(argv) == 130
+    monkeypatch.undo()
+    write_jsonl(corpus / "a.jsonl", list(reversed(DOCS[:150])))  # edited between the runs
+    capsys.readouterr()
+    assert tokenize_main(argv) == 2
+    line = _one_line_error(capsys)
+    assert "a.jsonl has other content at the same size" in line and "would mix its old and new text" in line
+    write_jsonl(corpus / "a.jsonl", DOCS[:150])  # restored: the job goes on
+    assert tokenize_main(argv) == 0
+
+
+def _interrupt_on_call(n: int):
+    real = arrayrecord.ShardWriter.commit
+    calls = {"n": 0}
+
+    def commit(self):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(self)
+
+    return commit
+
+
+def test_bad_shard_tokens_and_output_paths_are_one_line(inputs, tmp_path, capsys) -> None:
+    base = ["--input", str(inputs / "corpus"), "--tokenizer", "bytes"]
+    assert tokenize_main([*base, "--output", str(tmp_path / "zero"), "--shard-tokens", "0"]) == 2
+    assert "--shard-tokens=0 must be >= 1" in _one_line_error(capsys)
+    assert not (tmp_path / "zero").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert tokenize_main([*base, "--output", str(afile)]) == 2
+    assert f"--output {afile} is a file, not a folder" in _one_line_error(capsys)
+    assert tokenize_main([*base, "--output", str(afile / "sub")]) == 2
+    assert f"is under {afile}, a file" in _one_line_error(capsys)
+    missing = tmp_path / "no" / "such" / "out"
+    assert tokenize_main([*base, "--output", str(missing)]) == 2
+    assert f"its folder {missing.parent} does not exist" in _one_line_error(capsys)
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_second_tokenizer_on_one_output_is_refused_naming_the_first(inputs, tmp_path, capsys) -> None:
+    out = tmp_path / "locked"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:  # a live xmoe-tokenize holds the output's lock
+        holder = {**runlock._me(), "pid": other.pid, "start_time": runlock._start_time(other.pid)}
+        (out / LOCK_NAME).write_text(json.dumps({**holder, "command": "xmoe-tokenize --output locked"}))
+        argv = [*_args(inputs, "unused"), "--output", str(out)]
+        assert tokenize_main(argv) == 2
+        line = _one_line_error(capsys)
+        assert f"{out} is in use by another xmoe-tokenize: pid {other.pid}" in line
+        assert "choose another --output" in line and str(out / LOCK_NAME) in line
+        assert not (out / "manifest.json").exists()
+    finally:
+        other.kill()
+        other.wait()
+    assert tokenize_main(argv) == 0  # its holder gone: the lock is taken over
+    assert not (out / LOCK_NAME).exists() and os.listdir(out)

@@ -1,7 +1,7 @@
 """Command-line entry points: `xmoe-train`, `xmoe-params`, `xmoe-plan`, `xmoe-tokenize`, `xmoe-eval`,
 `xmoe-plot`, `xmoe-generate`, `xmoe-convert`.
 
-    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start]
+    xmoe-train --config configs/tiny.yaml [--set model.moe.top_k=4 ...] [--resume | --resume-or-start] [--new-data]
     xmoe-train ... --coordinator HOST:PORT --num-processes N --process-id I   # multi-process
     xmoe-params --config configs/small.yaml
     xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer tokenizer.json --output data/corpus
@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import pathlib
 import sys
 import traceback
 
@@ -165,8 +166,16 @@ def train_main(argv: list[str] | None = None) -> int:
         help="as --resume, but a train.run_dir that does not exist starts a new run there: for the "
         "first submission of a job that resumes itself (requeues, restart loops)",
     )
+    p.add_argument(
+        "--new-data",
+        action="store_true",
+        help="with --resume: accept data other than the checkpoint's (re-tokenized, edited, another "
+        "corpus); the model and optimizer resume, the data starts at its position 0",
+    )
     add_cli_flags(p)
     args = p.parse_args(argv)
+    if args.new_data and not (args.resume or args.resume_or_start):
+        p.error("--new-data applies only with --resume or --resume-or-start")
     _quiet_logging()
     cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
     if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
@@ -188,7 +197,7 @@ def train_main(argv: list[str] | None = None) -> int:
         resume = args.resume or args.resume_or_start
         # a late stop signal must not turn status 75 into death by signal
         with preemption.ignoring_after_stop():
-            result = train(cfg, resume=resume, start_if_missing=args.resume_or_start)
+            result = train(cfg, resume=resume, start_if_missing=args.resume_or_start, new_data=args.new_data)
         code = 0
     except Preempted:  # the loop logged where it saved
         code = PREEMPTED_EXIT_CODE
@@ -353,16 +362,43 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    summary = tokenize_to_shards(
-        args.input,
-        args.tokenizer,
-        args.output,
-        text_field=args.text_field,
-        shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
-        report=report,
-    )
+    out = pathlib.Path(args.output)
+    if not out.parent.exists():  # a typo must not create a tree (a file there: tokenize_to_shards)
+        raise ConfigError(
+            f"--output {out}: its folder {out.parent} does not exist; create it first or fix the path"
+        )
+    try:
+        summary = tokenize_to_shards(
+            args.input,
+            args.tokenizer,
+            out,
+            text_field=args.text_field,
+            shard_tokens=DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
+            report=report,
+            lock=_tokenize_lock,
+        )
+    except KeyboardInterrupt:  # the unfinished shard is dropped; the finished ones stay
+        print(
+            f"xmoe-tokenize: interrupted; the finished shards in {out} are kept: run the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
     print(f"done: {summary}")
     return 0
+
+
+@contextlib.contextmanager
+def _tokenize_lock(out: pathlib.Path):
+    """One xmoe-tokenize per output folder: the trainer's lock (`runlock.RunLock`), in the output."""
+    from xmoe_jax.data.tokenize import LOCK_NAME
+    from xmoe_jax.train.runlock import RunLock
+
+    lock = RunLock(out, out / LOCK_NAME, "another xmoe-tokenize", "choose another --output")
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @_command

@@ -8,6 +8,8 @@ tokenizer.py    bytes, tokenizers JSON, sentencepiece, transformers directories
 arrayrecord.py  pre-tokenized shards (what xmoe-tokenize writes)
 megatron.py     Megatron .bin/.idx (read with numpy memory maps; a small writer)
 tokenize.py     xmoe-tokenize: documents -> ArrayRecord shards, resumable
+fingerprint.py  what a data position indexes into: checked on --resume and by xmoe-tokenize
+provenance.py   which tokenizer a dataset and a run were made with
 """
 
 from xmoe_jax.data.pipeline import make_eval_input, make_input

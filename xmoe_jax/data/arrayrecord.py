@@ -32,18 +32,42 @@ WRITER_OPTIONS = "group_size:1"  # one record per chunk: random reads touch only
 
 
 def is_arrayrecord_dir(path: str) -> bool:
-    manifest = pathlib.Path(path) / MANIFEST
+    """Whether `path` is an xmoe-tokenize output. One whose manifest is damaged is a `ConfigError`
+    naming the manifest (not a folder of documents that holds no documents)."""
+    directory = pathlib.Path(path)
+    manifest = directory / MANIFEST
     if not manifest.is_file():
         return False
     try:
-        return json.loads(manifest.read_text()).get("format") == FORMAT
-    except (json.JSONDecodeError, AttributeError):
-        return False
+        return _parse(manifest).get("format") == FORMAT
+    except ConfigError:
+        try:
+            text = manifest.read_text(errors="replace")
+        except OSError:
+            text = FORMAT  # unreadable: say so rather than guess whose it is
+        if FORMAT in text or any(directory.glob("shard-*.array_record")):
+            raise
+        return False  # another program's manifest.json beside documents
+
+
+def _parse(path: pathlib.Path) -> dict[str, Any]:
+    fix = f"restore it, or delete {path.parent} and run the xmoe-tokenize command again"
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is damaged ({e.msg}: line {e.lineno} column {e.colno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); {fix}") from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path} is damaged (a JSON {type(manifest).__name__}, not an object); {fix}")
+    return manifest
 
 
 def read_manifest(directory: pathlib.Path) -> dict[str, Any] | None:
+    """The manifest of an xmoe-tokenize output, None if it has none; `ConfigError` naming the file
+    and the damage if it cannot be read."""
     path = directory / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else None
+    return _parse(path) if path.is_file() else None
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
@@ -94,6 +118,22 @@ class ShardWriter:
         self._tmp.unlink(missing_ok=True)
 
 
+def _checked_shards(manifest: dict[str, Any], directory: pathlib.Path) -> list[dict[str, Any]]:
+    """The manifest's shard entries, each with its files there; `ConfigError` naming what is wrong."""
+    fix = f"delete {directory} and run the xmoe-tokenize command again"
+    shards = manifest.get("shards")
+    keys = ("file", "lengths", "tokens")
+    if not isinstance(shards, list) or not all(
+        isinstance(s, dict) and all(k in s for k in keys) for s in shards
+    ):
+        raise ConfigError(f"{directory / MANIFEST} is damaged (its 'shards' are not a list of {keys}); {fix}")
+    for s in shards:
+        for name in (s["file"], s["lengths"]):
+            if not (directory / name).is_file():
+                raise ConfigError(f"{directory / name}, listed in {directory / MANIFEST}, is missing; {fix}")
+    return shards
+
+
 class ArrayRecordStream:
     """The documents of every shard, concatenated, as one token stream."""
 
@@ -107,7 +147,7 @@ class ArrayRecordStream:
             raise ConfigError(
                 f"{where} is an unfinished xmoe-tokenize output; rerun the same xmoe-tokenize command to finish it"
             )
-        shards = manifest["shards"]
+        shards = _checked_shards(manifest, directory)
         if not shards or sum(s["tokens"] for s in shards) == 0:
             raise ConfigError(f"{where} holds no tokens; tokenize a non-empty corpus")
         self.manifest = manifest

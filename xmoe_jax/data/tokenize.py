@@ -7,14 +7,18 @@ Resumable: a shard is written to a temporary file and renamed when full, then th
 records it with the position after its last document (input file, document within the file). An
 interrupted job rerun with the same arguments drops the unfinished shard, skips the documents
 already in committed shards and goes on; the result is the same as an uninterrupted run's. The
-manifest's `complete` flag is set at the end; the trainer refuses an incomplete output.
+manifest's `complete` flag is set at the end; the trainer refuses an incomplete output. The
+manifest also records each input's size and a hash of its head and tail (`fingerprint.py`): a
+rerun over inputs edited in between is refused, naming the file, since it would mix old and new
+text. The caller may hold a lock on the output while the job runs (`lock`: `xmoe-tokenize` takes
+the run directory's kind of lock, `<output>/tokenize.lock`), so two jobs never write one output.
 
 The tokenizer travels with the shards: a copy in `<output>/tokenizer/` and its fingerprint in the
 manifest (`tokenizer_sha256`), from which the trainer takes `data.tokenizer` (`provenance.py`).
 
 Steps (`tokenize_to_shards`):
-  1. list the input files (sorted), load the tokenizer, read an existing manifest (same job?),
-     copy the tokenizer beside the shards;
+  1. list the input files (sorted), load the tokenizer, check the output path, take the lock,
+     read an existing manifest (same job, same inputs?), copy the tokenizer beside the shards;
   2. read documents from the saved position, encode them in batches, append eos to each;
   3. write documents to the current shard; past `shard_tokens` commit it and record the position;
   4. commit the last shard, mark the manifest complete and return the summary.
@@ -22,6 +26,7 @@ Steps (`tokenize_to_shards`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 from collections.abc import Callable, Iterator
@@ -29,12 +34,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from xmoe_jax.config import ConfigError
-from xmoe_jax.data import documents, provenance
+from xmoe_jax.data import documents, fingerprint, provenance
 from xmoe_jax.data.arrayrecord import FORMAT, ShardWriter, read_manifest, token_dtype, write_manifest
 from xmoe_jax.data.sources import ENCODE_BATCH, batched
 from xmoe_jax.data.tokenizer import load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MB of uint16 ids per shard
+LOCK_NAME = "tokenize.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,25 +94,69 @@ def tokenize_to_shards(
     text_field: str = "text",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     report: Callable[[str], None] = lambda line: None,
+    lock: Callable[[pathlib.Path], contextlib.AbstractContextManager] | None = None,
 ) -> Summary:
     """Tokenizes the documents of `inputs` (a file, folder or glob) into shards under `output`;
-    resumes a job that was interrupted. `ConfigError` for bad inputs or another job's output."""
+    resumes a job that was interrupted. `lock(output)`, if given, is held while the job reads and
+    writes the output. `ConfigError` for bad inputs, an output that is a file, another job's
+    output or inputs edited since the job began."""
     if shard_tokens < 1:
-        raise ConfigError(f"--shard-tokens={shard_tokens} must be >= 1")
+        raise ConfigError(
+            f"--shard-tokens={shard_tokens} must be >= 1 (tokens per shard); leave it out for the "
+            f"default {DEFAULT_SHARD_TOKENS:,}"
+        )
     files = documents.list_files(inputs, "")
     tokenizer = load_tokenizer(tokenizer_name)
     out = pathlib.Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output(out)
+    with lock(out) if lock is not None else contextlib.nullcontext():
+        return _run(inputs, files, tokenizer, tokenizer_name, out, text_field, shard_tokens, report)
+
+
+def make_output(out: pathlib.Path) -> None:
+    """Creates the output folder (and its parents); `ConfigError` if it or a parent is a file."""
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            what = "is a file" if path == out else f"is under {path}, a file"
+            raise ConfigError(f"--output {out} {what}, not a folder; choose a folder for the shards")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"--output {out} cannot be created ({e.strerror or e}); choose a writable folder"
+        ) from e
+
+
+def _run(inputs, files, tokenizer, tokenizer_name, out, text_field, shard_tokens, report) -> Summary:
     job = _job(files, tokenizer, text_field, shard_tokens)
+    prints = fingerprint.files_table(files, fingerprint.root_of(inputs))
     manifest = read_manifest(out)
     if manifest is None:
         sha = provenance.fingerprint(tokenizer_name)
-        manifest = {**job, "tokenizer_sha256": sha, "shards": [], "complete": False}
+        manifest = {
+            **job,
+            "tokenizer_sha256": sha,
+            "input_fingerprints": prints,
+            "shards": [],
+            "complete": False,
+        }
     elif {k: manifest.get(k) for k in job} != job:
         differs = sorted(k for k in job if manifest.get(k) != job[k])
         raise ConfigError(
             f"--output {out} holds another job (it differs in {differs}); choose a new --output"
         )
+    elif "input_fingerprints" in manifest:  # outputs of earlier versions have none
+        edited = fingerprint.changed_file(manifest["input_fingerprints"], prints)
+        if edited and manifest["complete"]:
+            raise ConfigError(
+                f"--input {inputs} changed since --output {out} was tokenized from it: {edited}; tokenize "
+                "into a new --output (or restore the file)"
+            )
+        if edited:
+            raise ConfigError(
+                f"--input {inputs} changed since --output {out} was begun from it: {edited}; going on would "
+                "mix its old and new text. Restore the file, or tokenize into a new --output"
+            )
     if not (out / provenance.COPY_DIR).is_dir():
         provenance.copy_tokenizer(tokenizer_name, out / provenance.COPY_DIR)
     done = len(manifest["shards"])

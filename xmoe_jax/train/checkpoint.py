@@ -226,6 +226,7 @@ class Checkpointer:
         )
         self._damaged: dict[int, str] = {}  # step -> why it cannot be restored (resume)
         self._write_failed = False
+        self.data_fingerprint: dict | None = None  # saved in each manifest (data/fingerprint.py)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -335,7 +336,9 @@ class Checkpointer:
         data_digests = None
         if data_iter is not None:  # every process's position, in process order
             data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
-        manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
+        manifest = integrity.build_manifest(
+            step, state, to_dict(config) if config else None, data_digests, self.data_fingerprint
+        )
         items["manifest"] = ocp.args.JsonSave(manifest)
         try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
             runlock.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)

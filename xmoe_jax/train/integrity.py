@@ -11,6 +11,7 @@ inside the same atomic commit:
     leaves   path -> shape, dtype and a 64-bit fingerprint of the values
     config   sha256 of the saved config
     data     sha256 of each process's data position
+    data_fingerprint  what that position indexes into (`xmoe_jax/data/fingerprint.py`)
     sha256   of the manifest's own content
 
 Fingerprint of a leaf: two wrapping uint32 sums over its elements' bits (as unsigned ints),
@@ -124,7 +125,9 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def build_manifest(step: int, state: Any, config: dict | None, data_digests: list[str] | None) -> dict:
+def build_manifest(
+    step: int, state: Any, config: dict | None, data_digests: list[str] | None, data_print: dict | None = None
+) -> dict:
     body = {
         "version": MANIFEST_VERSION,
         "step": int(step),
@@ -132,6 +135,8 @@ def build_manifest(step: int, state: Any, config: dict | None, data_digests: lis
         "config": digest(json.loads(json.dumps(config))) if config is not None else None,
         "data": data_digests,
     }
+    if data_print is not None:  # what the data position indexes into (data/fingerprint.py)
+        body["data_fingerprint"] = data_print
     return {**body, "sha256": digest(body)}
 
 

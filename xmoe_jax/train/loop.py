@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, to_dict
-from xmoe_jax.data import make_eval_input, make_input, provenance
+from xmoe_jax.data import fingerprint, make_eval_input, make_input, provenance
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import runlock
@@ -119,14 +119,17 @@ def _global_batch(local: dict, shard) -> dict:
     return {k: jax.make_array_from_process_local_data(shard, v) for k, v in local.items()}
 
 
-def train(cfg: Config, *, resume: bool = False, start_if_missing: bool = False) -> TrainResult:
+def train(
+    cfg: Config, *, resume: bool = False, start_if_missing: bool = False, new_data: bool = False
+) -> TrainResult:
     """Runs `cfg.train.steps` steps in total (resumed runs continue to that count).
 
     `resume`: continue from the newest intact checkpoint in `train.run_dir`. With none there, it
     starts at step 0 (and says so), but refuses a `run_dir` that does not exist (a typo must not
     restart a run; `start_if_missing=True` starts one there: a job's first submission) and one whose
     run cannot be continued (see `_check_nothing_to_resume`). A run already at `train.steps`
-    returns at once, `already_finished` set."""
+    returns at once, `already_finished` set. `new_data` (`--new-data`): resume on data other than the
+    checkpoint's, from its position 0 (else refused: `data/fingerprint.py`)."""
     # -- validate everything before building or compiling anything
     num_processes, process_index = jax.process_count(), jax.process_index()
     cfg.validate_for_devices(jax.device_count(), num_processes)
@@ -152,12 +155,14 @@ def train(cfg: Config, *, resume: bool = False, start_if_missing: bool = False) 
         run.root, process_index == 0, ckpt_dir
     )  # reliability: writable, one writer at a time
     try:
-        return _start(cfg, run, data_iter, resume, eval_data)
+        return _start(cfg, run, data_iter, resume, eval_data, new_data)
     finally:
         lock.release()
 
 
-def _start(cfg: Config, run: RunDir, data_iter, resume: bool, eval_data) -> TrainResult:
+def _start(
+    cfg: Config, run: RunDir, data_iter, resume: bool, eval_data, new_data: bool = False
+) -> TrainResult:
     num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt = Checkpointer(run.checkpoints, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
     candidates = _prepare_run_dir(cfg, run, resume, ckpt)
@@ -173,6 +178,11 @@ def _start(cfg: Config, run: RunDir, data_iter, resume: bool, eval_data) -> Trai
             f"the checkpoint in {ckpt.directory} is at step {start}, past train.steps={cfg.train.steps}; "
             f"set train.steps to {start} or more"
         )
+    if ckpt is not None:  # what the data position indexes into: recorded, and checked on resume
+        ckpt.data_fingerprint = fingerprint.of_data(cfg.data)
+    same_data = start is None or fingerprint.check_resume(
+        ckpt.directory, start, ckpt.data_fingerprint, new_data
+    )
     if num_processes > 1:  # every process has checked the run directory before any writes to it
         multihost_utils.sync_global_devices("xmoe_jax: run directory checked")
     is_main = process_index == 0
@@ -192,11 +202,20 @@ def _start(cfg: Config, run: RunDir, data_iter, resume: bool, eval_data) -> Trai
         " ".join(f"{name}={size}" for name, size in mesh.shape.items()),
     )
     with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
-        return _run(cfg, mesh, ckpt, candidates, data_iter, run, is_main, stop, eval_data)
+        return _run(cfg, mesh, ckpt, candidates, data_iter, run, is_main, stop, eval_data, same_data)
 
 
 def _run(
-    cfg: Config, mesh, ckpt, candidates, data_iter, run: RunDir, is_main: bool, stop, eval_data=None
+    cfg: Config,
+    mesh,
+    ckpt,
+    candidates,
+    data_iter,
+    run: RunDir,
+    is_main: bool,
+    stop,
+    eval_data=None,
+    same_data=True,
 ) -> TrainResult:
     placed = resolve_placement(cfg, exchange_devices(mesh))  # steps build on this; cfg is what the run saves
     layout = tstate.build(placed, mesh)
@@ -206,7 +225,8 @@ def _run(
         log.info("initialising the parameters...")
         state = layout.init(cfg, mesh)
     else:  # reliability: the newest intact candidate
-        start, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, candidates, data_iter)
+        restore_iter = data_iter if same_data else None  # new data (--new-data): from its position 0
+        start, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, candidates, restore_iter)
         log.info("resumed from %s at step %d", run.checkpoints, start)
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         run.trim_metrics(start or 0)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from xmoe_jax.config import ConfigError
 from xmoe_jax.launch import distributed
-from xmoe_jax.train.rundir import LOCK_NAME, RunDir
+from xmoe_jax.train.rundir import RunDir
 
 log = logging.getLogger("xmoe_jax")
 
@@ -149,10 +149,19 @@ def _describe(holder: dict, age_s: float) -> str:
 
 
 class RunLock:
-    """`<run_dir>/run.lock`, held while this process trains in `run_dir` (see the module docstring)."""
+    """`<run_dir>/run.lock`, held while this process trains in `run_dir` (see the module docstring).
+    Other writers of a folder (`xmoe-tokenize`) name their own lock file (`path`), the program that
+    holds it (`user`) and the other choice (`fix`) for the refusal's message."""
 
-    def __init__(self, run_dir: Path):
-        self.path = RunDir(run_dir).lock
+    def __init__(
+        self,
+        run_dir: Path,
+        path: Path | None = None,
+        user: str = "another trainer",
+        fix: str = "set train.run_dir to another directory",
+    ):
+        self.path = path if path is not None else RunDir(run_dir).lock
+        self._user, self._fix = user, fix
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._held = False
@@ -171,7 +180,7 @@ class RunLock:
             self._thread = threading.Thread(target=self._refresh, name="xmoe-run-lock", daemon=True)
             self._thread.start()
             return
-        raise ConfigError(f"could not take the run directory lock {self.path}; try again")
+        raise ConfigError(f"could not take the lock {self.path}; try again")
 
     def _take_over_if_stale(self) -> None:
         try:
@@ -188,8 +197,8 @@ class RunLock:
         reason = _stale_reason(holder, age) if holder else ("unreadable" if age > 10 else None)
         if reason is None:
             raise ConfigError(
-                f"{self.path.parent} is in use by another trainer: {_describe(holder, age)}. Wait for it "
-                f"to finish, stop it, or set train.run_dir to another directory; if that process is gone "
+                f"{self.path.parent} is in use by {self._user}: {_describe(holder, age)}. Wait for it "
+                f"to finish, stop it, or {self._fix}; if that process is gone "
                 f"(for example its node failed), remove {self.path}"
             )
         if self._take_over(raw, seen):
@@ -199,7 +208,7 @@ class RunLock:
         """Removes the stale lock only if `path` still is the file judged stale (compare-and-swap):
         rename it to a name of our own, compare, and put back a file that is not it."""
         aside = self.path.with_name(
-            f"{LOCK_NAME}.stale.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+            f"{self.path.name}.stale.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
         )
         try:
             os.rename(self.path, aside)
