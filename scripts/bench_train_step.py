@@ -45,9 +45,12 @@ def main() -> None:
     p.add_argument(
         "--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul ceiling (CPU checks: small)"
     )
+    p.add_argument(
+        "--log-every", type=int, default=None, help="logging window (default: a third of the steps)"
+    )
     args = p.parse_args()
 
-    window = max(args.steps // 3, 1)
+    window = args.log_every or max(args.steps // 3, 1)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.run_dir or tmp
         overrides = [

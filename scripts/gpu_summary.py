@@ -20,7 +20,7 @@ def line(name: str, r: dict) -> str | None:
             f"{name:<40} tok/s {r['tokens_per_s']:>10.0f}  TFLOP/s {r['tflops_per_device']:6.1f}  "
             f"MFU {100 * (r['mfu_vs_datasheet'] or 0):5.1f}%  first step {r['first_step_s'] or 0:6.1f}s  "
             f"peak {(r['peak_bytes_in_use'] or 0) / GiB:6.1f} GiB  "
-            f"loss {r['first_loss']:.3f}->{r['final_loss']:.3f}  {r.get('exchange', {})}"
+            f"loss {r['first_loss']:.3f}->{r['final_loss']:.3f}  {_exchange(r.get('exchange', {}))}"
             f"{'  ' + str(r['overlap']) if 'overlap' in r else ''}"
         )
     if "peak" in r:
@@ -29,6 +29,18 @@ def line(name: str, r: dict) -> str | None:
             f"fits {r.get('fits')}  compile {r['compile_s']:6.1f}s"
         )
     return None
+
+
+def _exchange(ex: dict) -> str:
+    """The exchange in a few words: buffer factor, fullest buffer, wire over routed bytes, bound ratio."""
+    if not ex.get("routed_bytes"):
+        return ""
+    wire = sum(ex["wire_bytes"]) / max(sum(ex["routed_bytes"]), 1)
+    bound = ex.get("exchange_bound_ratio") or [float("nan")]
+    return (
+        f"factor {ex.get('buffer_factor')} peak {ex.get('peak_ratio')} wire/routed {wire:.2f} "
+        f"bound R {sum(bound) / len(bound):.2f}"
+    )
 
 
 def ladder(folder: str) -> None:
