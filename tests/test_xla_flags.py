@@ -105,3 +105,20 @@ def test_scheduler_flags_are_known_to_this_xla():
         timeout=120,
     )
     assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]
+
+
+def test_exact_transport_asks_for_xla_s_one_shot_kernel(monkeypatch, caplog):
+    """`exact` feeds XLA's own ragged kernel many updates per peer: the decomposer would pad them, so
+    its preset is `default`; an explicit XMOE_RAGGED_A2A still wins, with one warning on GPU."""
+    monkeypatch.delenv("XMOE_RAGGED_A2A", raising=False)
+    assert xla_flags.wanted_preset(transport="exact") == "default"
+    assert xla_flags.wanted_preset(transport="auto") == "default"
+    assert xla_flags.wanted_preset(transport="ragged") == "decomposer"
+    assert xla_flags.wanted_preset() == "decomposer"
+    monkeypatch.setenv("XMOE_RAGGED_A2A", "decomposer")
+    assert xla_flags.wanted_preset(transport="exact") == "decomposer"
+    decomposer = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+    with caplog.at_level(logging.WARNING, logger="xmoe_jax"):
+        assert xla_flags.transport_for("exact", "gpu", flags=decomposer) == "exact"
+        assert xla_flags.transport_for("exact", "gpu", flags="") == "exact"
+    assert len(caplog.records) == 1 and "parallel.transport=exact" in caplog.records[0].message

@@ -90,9 +90,9 @@ def _warn_once(key: str, message: str) -> None:
 
 def wanted_preset(preset: str | None = None, transport: str | None = None) -> str:
     """The ragged all-to-all preset asked for (argument, else XMOE_RAGGED_A2A, else the default for
-    `transport`: XLA's own one-shot kernel for `exact`, which feeds it many updates per peer and
-    would be padded by the decomposer; the decomposer otherwise)."""
-    fallback = "default" if transport == "exact" else DEFAULT_RAGGED_A2A_PRESET
+    `transport`: XLA's own one-shot kernel for `exact` (and `auto`, which may resolve to it), which
+    feeds it many updates per peer and would be padded by the decomposer; the decomposer otherwise)."""
+    fallback = "default" if transport in ("exact", "auto") else DEFAULT_RAGGED_A2A_PRESET
     preset = preset or os.environ.get("XMOE_RAGGED_A2A", fallback)
     if preset not in RAGGED_A2A_PRESETS:
         raise ValueError(f"XMOE_RAGGED_A2A={preset!r} is not one of {sorted(RAGGED_A2A_PRESETS)}")
