@@ -1,0 +1,550 @@
+"""Where a train step's time goes on each GPU: a `jax.profiler` trace cut into categories.
+
+Why: "17% MFU" says nothing about which lever to pull; the trace of a few steps does. A trace
+(`train.profile_steps=[a, b]`, docs/profiling.md) holds one plane per GPU (`/device:GPU:<i>`)
+whose `Stream #...` lines are the kernels as the GPU ran them (read as kernel_overlap.py reads
+them). XLA annotates each kernel with its HLO op (`hlo_op`), its program (`hlo_module`) and the
+JAX name stack of the op (`name`, relative to the program's `prefix`); traces that went through
+xprof carry the same on derived `XLA Ops` / `XLA Modules` lines, which are read when present.
+
+Per GPU:
+  1. the step's program is the one with the most kernel time (or `module=`); the window runs from
+     its first kernel to its last (or over the `Steps` / `XLA Modules` events when the trace has
+     them); kernels of other programs inside it are `other programs`;
+  2. every kernel gets the first category in `KERNEL_ORDER` whose rule it meets (`_category`);
+  3. each category's kernels are merged into a union (concurrent kernels count once), and time is
+     handed out in `PRIORITY` order: a category gets the part of its union that no category before
+     it already holds. The exchange comes last among the kernels, so it keeps only the time when no
+     compute kernel ran (exposed); its time under compute (hidden) is reported beside the table,
+     outside the sum. `idle` is the window's time with no kernel at all (host gaps, launch latency,
+     waiting on a peer before a collective's kernel starts). The rows sum to the window;
+  4. per step = window totals / the number of steps (`--steps`, else `Steps` / `XLA Modules`
+     events, else the host's `PjitFunction(<step>)` dispatches in the trace).
+
+The name-stack rules are best effort, and the report says when they could not apply (no kernel
+carried a name stack): recompute is JAX's `rematted_computation` scope (what `jax.checkpoint`
+recomputes in the backward pass) or XLA's own rematerialization (`.remat` op names); optimizer is
+everything at the step's top level (outside jvp/transpose and the micro-batch loop: optax, clipping,
+the router-bias update, metrics) or under an optimizer-named scope; the micro-batch loop is work in
+the loop but outside the gradient (accumulation adds, slicing).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import os
+import re
+from typing import NamedTuple
+
+from xmoe_jax.errors import EXIT_BAD_INPUT, XmoeError
+from xmoe_jax.perf.kernel_overlap import (
+    GEMM_PATTERN,
+    NCCL_PATTERN,
+    Interval,
+    intersection,
+    length,
+    trace_files,
+    union,
+)
+
+
+class TraceError(XmoeError):
+    """The trace cannot be read into a breakdown (no trace, no GPU plane, no step count)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+LABELS = {
+    "optimizer": "optimizer & update",
+    "recompute": "recompute",
+    "attention": "attention",
+    "expert_gemm": "expert GEMMs",
+    "other_gemm": "other GEMMs",
+    "loop": "micro-batch loop",
+    "other_compute": "other compute",
+    "other_programs": "other programs",
+    "exchange_exposed": "exchange, exposed",
+    "idle": "idle",
+}
+# time goes to the first category of PRIORITY that holds it; idle is the rest of the window
+PRIORITY = tuple(k for k in LABELS if k != "idle")
+ROWS = (*PRIORITY, "idle")
+# a kernel goes to the first category whose rule it meets
+KERNEL_ORDER = ("other_programs", "exchange", "optimizer", "recompute", "attention", "expert_gemm")
+KERNEL_ORDER += ("other_gemm", "loop", "other_compute")
+NAME_STACK_CATEGORIES = ("optimizer", "recompute", "loop")
+
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|mha_", re.IGNORECASE)
+EXPERT_GEMM = re.compile(r"gmm|ragged[-_]?dot|grouped_?gemm", re.IGNORECASE)
+COLLECTIVE_OP = re.compile(
+    r"all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute|collective-broadcast", re.I
+)
+OPTIMIZER_SCOPE = re.compile(r"optax|optimi[sz]er|adamw?\b|scale_by_adam|apply_updates", re.IGNORECASE)
+XLA_REMAT = re.compile(r"\.remat")
+# ops XLA adds without JAX metadata: without a `name` they are not top-level JAX code
+NO_METADATA_OP = re.compile(r"^(wrapped_)?(copy|bitcast|tuple|get-tuple-element|parameter|while|conditional)")
+COLLECTIVE_KINDS = (
+    ("all-to-all", re.compile(r"all-to-all|sendrecv|alltoall|ragged|collective-permute", re.I)),
+    ("all-reduce", re.compile(r"all-?reduce", re.I)),
+    ("all-gather", re.compile(r"all-?gather", re.I)),
+    ("reduce-scatter", re.compile(r"reduce-?scatter", re.I)),
+)
+
+
+class Kernel(NamedTuple):
+    start: float
+    end: float
+    name: str
+    hlo_op: str
+    module: str  # "" when the trace does not say
+    stack: str | None  # the JAX name stack, None when the trace does not say
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _stats(event) -> dict:
+    out = {}
+    for key, value in event.stats:
+        if key is not None and key not in out:
+            out[key] = value
+    return out
+
+
+def name_stack(stats: dict) -> str | None:
+    """The op's JAX name stack (`jit(step)/.../dot_general`) from a kernel's or XLA op's stats."""
+    if stats.get("op_name"):
+        return str(stats["op_name"])
+    prefix, name = str(stats.get("prefix") or ""), str(stats.get("name") or "")
+    if name:
+        return f"{prefix}/{name}" if prefix and not name.startswith(prefix) else name
+    tf_op = str(stats.get("tf_op") or "")
+    if "/" in tf_op:
+        return tf_op
+    found = re.search(r'op_name="([^"]*)"', str(stats.get("long_name") or ""))
+    if found:
+        return found.group(1)
+    # an annotation drops empty values: an op named exactly the program's prefix has no `name`
+    hlo_op = str(stats.get("hlo_op") or "")
+    if prefix and hlo_op and not NO_METADATA_OP.match(hlo_op):
+        return prefix
+    return None
+
+
+def _module_name(event_name: str) -> str:
+    return re.sub(r"\(\d+\)$", "", event_name)  # xprof names module events `jit_step(12)`
+
+
+class PlaneTrace(NamedTuple):
+    kernels: list[Kernel]
+    steps: list[Interval]  # `Steps` line events (xprof), else empty
+    modules: list[tuple[float, float, str]]  # `XLA Modules` line events
+
+
+def read_plane(plane) -> PlaneTrace:
+    """Kernels of one GPU plane with their op, program and name stack."""
+    raw, ops, modules, steps = [], [], [], []
+    for line in plane.lines:
+        if line.name == "XLA Ops":
+            ops = sorted((e.start_ns, e.end_ns, e.name, _stats(e)) for e in line.events)
+        elif line.name == "XLA Modules":
+            modules = sorted((e.start_ns, e.end_ns, _module_name(e.name)) for e in line.events)
+        elif line.name == "Steps":
+            steps = sorted((e.start_ns, e.end_ns) for e in line.events)
+        elif line.name.startswith("Stream"):  # as kernel_overlap: the other lines are not kernels
+            raw.extend((e.start_ns, e.end_ns, e.name, _stats(e)) for e in line.events)
+    op_starts, module_starts = [o[0] for o in ops], [m[0] for m in modules]
+    kernels = []
+    for start, end, name, stats in raw:
+        hlo_op, module, stack = (
+            str(stats.get("hlo_op") or ""),
+            str(stats.get("hlo_module") or ""),
+            name_stack(stats),
+        )
+        i = bisect.bisect_right(op_starts, start) - 1
+        if i >= 0 and start < ops[i][1]:  # the derived XLA op that covers this kernel
+            hlo_op = hlo_op or ops[i][2]
+            stack = stack or name_stack(ops[i][3])
+        j = bisect.bisect_right(module_starts, start) - 1
+        if not module and j >= 0 and start < modules[j][1]:
+            module = modules[j][2]
+        kernels.append(Kernel(start, end, name, hlo_op, module, stack))
+    return PlaneTrace(kernels, steps, modules)
+
+
+def host_dispatches(profile, module: str) -> int:
+    """How many times the host dispatched the jitted function of `module` (`jit_step` ->
+    `PjitFunction(step)` events on the host plane)."""
+    if not module.startswith("jit_"):
+        return 0
+    target = f"PjitFunction({module[4:]})"
+    return sum(
+        1
+        for plane in profile.planes
+        if plane.name.startswith("/host")
+        for line in plane.lines
+        for event in line.events
+        if event.name == target
+    )
+
+
+# ----------------------------------------------------------------------------- categories
+
+
+def region(stack: str) -> str:
+    """`grad` (under jvp/transpose: forward and backward), `loop` (in a loop outside the
+    gradient: the micro-batch loop) or `top` (the step's top level)."""
+    parts = stack.split("/")
+    if any(p.startswith(("jvp(", "transpose(", "vjp(")) or p in ("jvp", "transpose") for p in parts):
+        return "grad"
+    return "loop" if "while" in parts or "scan" in parts else "top"
+
+
+def collective_kind(kernel: Kernel) -> str:
+    for kind, pattern in COLLECTIVE_KINDS:
+        if pattern.search(kernel.hlo_op) or pattern.search(kernel.name):
+            return kind
+    return "other"
+
+
+def _category(k: Kernel, step_module: str | None) -> str:
+    """The first category of KERNEL_ORDER whose rule `k` meets."""
+    if step_module and k.module and k.module != step_module:
+        return "other_programs"
+    expert_like = EXPERT_GEMM.search(k.name) or EXPERT_GEMM.search(k.hlo_op)
+    if not expert_like and (NCCL_PATTERN.search(k.name) or COLLECTIVE_OP.search(k.hlo_op)):
+        return "exchange"
+    where = region(k.stack) if k.stack is not None else None
+    if k.stack is not None and (OPTIMIZER_SCOPE.search(k.stack) or where == "top"):
+        return "optimizer"
+    if (k.stack is not None and "rematted" in k.stack) or XLA_REMAT.search(k.hlo_op):
+        return "recompute"
+    if ATTENTION.search(k.name) or ATTENTION.search(k.hlo_op):
+        return "attention"
+    gemm = GEMM_PATTERN.search(k.name)
+    if expert_like or (gemm and k.stack is not None and "experts" in k.stack.split("/")):
+        return "expert_gemm"
+    if gemm:
+        return "other_gemm"
+    return "loop" if where == "loop" else "other_compute"
+
+
+def step_module(planes: list[PlaneTrace], pattern: str | None) -> str | None:
+    """The program whose kernels took the most time (among those matching `pattern`)."""
+    busy: collections.Counter = collections.Counter()
+    for p in planes:
+        for k in p.kernels:
+            if k.module:
+                busy[k.module] += k.end - k.start
+        for start, end, name in p.modules:
+            busy[name] += 0.0 if p.kernels else end - start
+    names = [m for m, _ in busy.most_common() if pattern is None or re.search(pattern, m)]
+    if pattern is not None and not names:
+        raise TraceError(f"no program in the trace matches --module {pattern!r}; programs: {sorted(busy)}")
+    return names[0] if names else None
+
+
+# ----------------------------------------------------------------------------- one GPU
+
+
+def _clip(intervals: list[Interval], window: Interval) -> list[Interval]:
+    lo, hi = window
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def window_of(plane: PlaneTrace, module: str | None) -> tuple[Interval, int]:
+    """(start, end) of the traced steps on this GPU, and the number of step events found (0:
+    none, the window is the step program's first to last kernel)."""
+    if plane.steps:
+        return (plane.steps[0][0], max(e for _, e in plane.steps)), len(plane.steps)
+    runs = [(s, e) for s, e, name in plane.modules if name == module]
+    if runs:
+        return (runs[0][0], max(e for _, e in runs)), len(runs)
+    mine = [k for k in plane.kernels if module is None or k.module == module] or plane.kernels
+    return (min(k.start for k in mine), max(k.end for k in mine)), 0
+
+
+def gpu_breakdown(plane: PlaneTrace, module: str | None, num_steps: int) -> dict:
+    """ms per step by category for one GPU (module docstring, steps 2-4)."""
+    window, _ = window_of(plane, module)
+    cats: dict[str, list[Interval]] = {c: [] for c in KERNEL_ORDER}
+    by_kind: dict[str, list[Interval]] = collections.defaultdict(list)
+    top: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
+    counts: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
+    stacked = busy = 0.0
+    memo: dict[tuple, str] = {}
+    for k in plane.kernels:
+        if k.end <= window[0] or k.start >= window[1]:
+            continue
+        key = (k.name, k.hlo_op, k.module, k.stack)
+        cat = memo.get(key) or memo.setdefault(key, _category(k, module))
+        cats[cat].append((k.start, k.end))
+        top[cat][k.name] += k.end - k.start
+        counts[cat][k.name] += 1
+        if cat == "exchange":
+            by_kind[collective_kind(k)].append((k.start, k.end))
+        busy += k.end - k.start
+        stacked += (k.end - k.start) if k.stack is not None else 0.0
+    unions = {c: union(_clip(v, window)) for c, v in cats.items()}
+    unions["exchange_exposed"] = unions.pop("exchange")
+    out_ns, covered = {}, []
+    for cat in PRIORITY:
+        own = unions[cat]
+        out_ns[cat] = length(own) - length(intersection(own, covered))
+        covered = union(covered + own)
+    wall = window[1] - window[0]
+    out_ns["idle"] = wall - length(covered)
+    compute = union([iv for c in PRIORITY if c != "exchange_exposed" for iv in unions[c]])
+    exchange = unions["exchange_exposed"]
+    hidden = length(intersection(exchange, compute))
+    per_step = 1e-6 / num_steps  # ns over the window -> ms per step
+    kinds = {}
+    for kind, ivs in sorted(by_kind.items()):
+        u = union(_clip(ivs, window))
+        kinds[kind] = {
+            "total_ms": length(u) * per_step,
+            "exposed_ms": (length(u) - length(intersection(u, compute))) * per_step,
+        }
+    return {
+        "step_ms": wall * per_step,
+        "ms": {c: out_ns[c] * per_step for c in ROWS},
+        "exchange_hidden_ms": hidden * per_step,
+        "exchange_total_ms": length(exchange) * per_step,
+        "exchange_by_collective": kinds,
+        "kernels": sum(len(v) for v in cats.values()),
+        "name_stack_coverage": stacked / busy if busy else 0.0,
+        "top": {
+            c: [(name, ns * per_step, counts[c][name] / num_steps) for name, ns in top[c].most_common(5)]
+            for c in KERNEL_ORDER
+            if top[c]
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- a trace folder
+
+
+def _label(path: str, folder: str, plane_name: str, index: int, several: bool) -> str:
+    gpu = "GPU" + plane_name.rsplit(":", 1)[-1]
+    if not several:
+        return gpu
+    first = os.path.relpath(path, folder).split(os.sep)[0]
+    return f"{first if first.startswith('process_') else f'file{index}'}/{gpu}"
+
+
+def _read(folder: str) -> list[tuple[str, object, list[tuple[str, PlaneTrace]]]]:
+    from jax.profiler import ProfileData
+
+    files = trace_files(folder)
+    if not files:
+        raise TraceError(
+            f"no *.xplane.pb under {folder}: take a trace with train.profile_steps=[a, b] (docs/profiling.md)"
+        )
+    loaded = []
+    for path in files:
+        try:
+            profile = ProfileData.from_file(path)
+        except Exception as err:  # a truncated or foreign file: say which one
+            raise TraceError(f"cannot read {path} ({err}); is the trace complete?") from err
+        planes = [(p.name, read_plane(p)) for p in profile.planes if p.name.startswith("/device:GPU")]
+        loaded.append((path, profile, planes))
+    if not any(planes for _, _, planes in loaded):
+        raise TraceError(
+            f"no GPU plane (/device:GPU:<i>) in the {len(files)} trace file(s) under {folder}: a CPU "
+            "run has no GPU kernels to break down; take the trace on GPUs"
+        )
+    if not any(pt.kernels for _, _, planes in loaded for _, pt in planes):
+        raise TraceError(f"the GPU planes under {folder} hold no kernels: did the traced steps run?")
+    return loaded
+
+
+def breakdown(folder: str, steps: int | None = None, module: str | None = None) -> dict:
+    """The report of every trace file under `folder`: per GPU and the mean over GPUs."""
+    if steps is not None and steps < 1:
+        raise TraceError(f"--steps {steps}: the number of traced steps must be at least 1")
+    loaded = _read(folder)
+    mod = step_module([pt for _, _, planes in loaded for _, pt in planes], module)
+    notes, gpus = [], {}
+    for index, (path, profile, planes) in enumerate(loaded):
+        dispatches = None
+        for plane_name, pt in planes:
+            if not pt.kernels:
+                notes.append(f"{path}:{plane_name} holds no kernels; left out")
+                continue
+            _, found = window_of(pt, mod)
+            source = "Steps line" if pt.steps else "XLA Modules line"
+            n = steps
+            if n is None and found:
+                n = found
+            elif n is None:
+                dispatches = host_dispatches(profile, mod or "") if dispatches is None else dispatches
+                n, source = dispatches, f"host dispatches of PjitFunction({(mod or '')[4:]})"
+            else:
+                if found and found != steps:
+                    notes.append(
+                        f"{plane_name}: the trace's {source} has {found} steps, --steps says {steps}"
+                    )
+                source = "--steps"
+            if not n:
+                raise TraceError(
+                    f"cannot tell how many steps {path} covers: pass --steps N "
+                    "(train.profile_steps=[a, b] traces b - a + 1 steps)"
+                )
+            row = gpu_breakdown(pt, mod, n)
+            row.update(device=f"{path}:{plane_name}", steps=n, steps_from=source)
+            gpus[_label(path, folder, plane_name, index, len(loaded) > 1)] = row
+    return _summarise(gpus, mod, notes)
+
+
+def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
+    """The mean over GPUs, the largest kernels and what could not be identified."""
+    rows = list(gpus.values())
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    kinds = sorted({k for r in rows for k in r["exchange_by_collective"]})
+    summary = {
+        "step_ms": mean([r["step_ms"] for r in rows]),
+        "ms": {c: mean([r["ms"][c] for r in rows]) for c in ROWS},
+        "exchange_hidden_ms": mean([r["exchange_hidden_ms"] for r in rows]),
+        "exchange_total_ms": mean([r["exchange_total_ms"] for r in rows]),
+        "exchange_by_collective": {
+            k: {
+                f: mean([r["exchange_by_collective"].get(k, {}).get(f, 0.0) for r in rows])
+                for f in ("total_ms", "exposed_ms")
+            }
+            for k in kinds
+        },
+        "name_stack_coverage": mean([r["name_stack_coverage"] for r in rows]),
+    }
+    top = {}
+    for cat in KERNEL_ORDER:
+        ms, count = collections.Counter(), collections.Counter()
+        for r in rows:
+            for name, m, c in r["top"].get(cat, []):
+                ms[name] += m / len(rows)
+                count[name] += c / len(rows)
+        if ms:
+            top[cat] = [[name, m, count[name]] for name, m in ms.most_common(5)]
+    unidentified = []
+    if summary["name_stack_coverage"] == 0:
+        unidentified = list(NAME_STACK_CATEGORIES)
+        notes.append(
+            "no kernel carries a JAX name stack (stats name/op_name/tf_op/long_name): optimizer, "
+            "recompute and micro-batch loop could not be identified; their kernels are counted by name"
+        )
+    elif summary["name_stack_coverage"] < 0.5:
+        notes.append(
+            f"only {100 * summary['name_stack_coverage']:.0f}% of kernel time carries a JAX name stack: "
+            "optimizer, recompute and micro-batch loop are lower bounds"
+        )
+    if module is None:
+        notes.append(
+            "the kernels name no program (hlo_module): every kernel in the window counts as the step's"
+        )
+    if summary["ms"]["attention"] == 0:
+        notes.append(
+            "no attention kernel by name (flash/fmha/sdpa/mha_): XLA's own attention runs as GEMMs and "
+            "fusions, counted under other GEMMs / other compute"
+        )
+    if summary["ms"]["expert_gemm"] == 0:
+        notes.append("no expert GEMM by name (gmm, ragged_dot) or under the `experts` scope")
+    return {
+        "module": module,
+        "priority": list(ROWS),
+        "labels": LABELS,
+        "unidentified": unidentified,
+        "gpus": gpus,
+        "mean": summary,
+        "top_kernels": top,
+        "notes": notes,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_table(rep: dict) -> str:
+    """The report as Markdown: ms per step per GPU, the mean and its share of the step."""
+    gpus, mean = rep["gpus"], rep["mean"]
+    steps = sorted({(r["steps"], r["steps_from"]) for r in gpus.values()})
+    cols = list(gpus)
+    head = (
+        f"Step breakdown: {len(cols)} GPU(s), program {rep['module'] or '(unnamed)'}, "
+        + ", ".join(f"{n} steps ({src})" for n, src in steps)
+        + ", ms per step"
+    )
+    lines = [head, "", "| category | " + " | ".join(cols) + " | mean | % of step |"]
+    lines.append("|---" + "|---:" * (len(cols) + 2) + "|")
+    step = mean["step_ms"] or 1.0
+    for cat in ROWS:
+        if cat in rep["unidentified"]:
+            cells, share = ["n/a"] * (len(cols) + 1), "n/a"
+        else:
+            cells = [f"{gpus[g]['ms'][cat]:.2f}" for g in cols] + [f"{mean['ms'][cat]:.2f}"]
+            share = f"{100 * mean['ms'][cat] / step:.1f}%"
+        lines.append(f"| {LABELS[cat]} | " + " | ".join(cells) + f" | {share} |")
+    cells = [f"{gpus[g]['step_ms']:.2f}" for g in cols] + [f"{mean['step_ms']:.2f}"]
+    lines.append("| **step (sum)** | " + " | ".join(cells) + " | 100% |")
+    for key, label in (("exchange_hidden_ms", "exchange, hidden (under compute, not in the sum)"),
+                       ("exchange_total_ms", "exchange, total kernel time")):  # fmt: skip
+        cells = [f"{gpus[g][key]:.2f}" for g in cols] + [f"{mean[key]:.2f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {100 * mean[key] / step:.1f}% |")
+    lines += [
+        "",
+        "Each slice of time counts once, in the first of: " + " > ".join(LABELS[c] for c in ROWS) + ".",
+    ]
+    if mean["exchange_by_collective"]:
+        lines.append(
+            "Exchange by collective (mean, total / exposed ms): "
+            + ", ".join(
+                f"{k} {v['total_ms']:.2f} / {v['exposed_ms']:.2f}"
+                for k, v in mean["exchange_by_collective"].items()
+            )
+        )
+    lines.append(f"JAX name stack on {100 * mean['name_stack_coverage']:.0f}% of kernel time.")
+    lines += ["", "Largest kernels (mean per GPU per step: ms, launches):"]
+    for cat, items in rep["top_kernels"].items():
+        label = LABELS.get(cat, cat)
+        lines.append(f"- {label}: " + "; ".join(f"{n[:70]} {m:.2f} ms x{c:.3g}" for n, m, c in items[:3]))
+    lines += [f"Note: {n}" for n in rep["notes"]]
+    return "\n".join(lines)
+
+
+COLORS = {
+    "optimizer": "#8c564b",
+    "recompute": "#e377c2",
+    "attention": "#1f77b4",
+    "expert_gemm": "#2ca02c",
+    "other_gemm": "#98df8a",
+    "loop": "#bcbd22",
+    "other_compute": "#9467bd",
+    "other_programs": "#7f7f7f",
+    "exchange_exposed": "#d62728",
+    "idle": "#dddddd",
+}
+
+
+def plot(rep: dict, path: str) -> None:
+    """A stacked bar per GPU and one for the mean: ms per step by category (matplotlib, headless)."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise TraceError("--plot needs matplotlib: pip install 'xmoe_jax[viz]'") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*rep["gpus"], "mean"]
+    rows = [r["ms"] for r in rep["gpus"].values()] + [rep["mean"]["ms"]]
+    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(names), 5))
+    bottom = [0.0] * len(names)
+    for cat in ROWS:
+        values = [r[cat] for r in rows]
+        ax.bar(names, values, bottom=bottom, label=LABELS[cat], color=COLORS[cat])
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{rep['module'] or 'step'}: where the step goes")
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
