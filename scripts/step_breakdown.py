@@ -17,7 +17,8 @@ import json
 import sys
 
 from xmoe_jax.errors import XmoeError
-from xmoe_jax.perf.step_breakdown import breakdown, format_table, plot
+from xmoe_jax.perf.step_breakdown import breakdown
+from xmoe_jax.perf.step_report import format_table, plot
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from xmoe_jax.perf import step_breakdown as sb
+from xmoe_jax.perf import step_report
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "step_breakdown.py"
 
@@ -142,7 +143,7 @@ def test_categories_union_priority_and_exchange_sum_to_the_window(tmp_path):
     )
     assert rep["mean"]["ms"] == pytest.approx(gpu["ms"]) and rep["unidentified"] == []
     assert rep["top_kernels"]["expert_gemm"][0][0] in ("xmoe_gmm", "xmoe_tgmm")
-    table = sb.format_table(rep)
+    table = step_report.format_table(rep)
     assert (
         "| expert GEMMs | 1.50 | 1.50 | 27.3% |" in table
         and "| **step (sum)** | 5.50 | 5.50 | 100% |" in table
@@ -180,7 +181,7 @@ def test_without_name_stacks_the_stack_categories_are_reported_unidentified(tmp_
         0.5
     )
     assert sum(gpu["ms"].values()) == pytest.approx(5)
-    assert "| recompute | n/a | n/a | n/a |" in sb.format_table(rep)
+    assert "| recompute | n/a | n/a | n/a |" in step_report.format_table(rep)
     assert any("could not be identified" in n for n in rep["notes"])
 
 
@@ -224,6 +225,25 @@ def test_name_stack_and_region_rules():
         "loop",
         "top",
     ]
+
+
+def test_kernel_rules_for_our_kernels_and_scopes_under_transforms():
+    grad = "jit(step)/transpose(jvp(experts))/dot_general"
+
+    def cat(name, stack=grad, op="fusion.1"):
+        return sb._category(sb.Kernel(0, 1, name, op, "jit_step", stack), "jit_step")
+
+    assert cat("sm90_xmma_gemm_bf16bf16_bf16f32") == "expert_gemm"  # a GEMM under the experts scope
+    assert cat("sm90_xmma_gemm_bf16", "jit(step)/jvp(shared_experts)/dot_general") == "other_gemm"
+    assert cat("xmoe_gather_dot", grad) == "other_compute"  # our permutation kernel: no GEMM
+    assert (
+        cat("ragged_dot", None) == "expert_gemm" and cat("gemm_fusion", None, "ragged-dot.2") == "expert_gemm"
+    )
+    assert cat("loop_fusion", None, "all-reduce-start.1") == "exchange"  # a collective by its op
+    assert cat("mha_forward", None) == "attention" and cat("fmha_v2_flash", None) == "attention"
+    assert cat("nvjet_hsh", "jit(step)/jvp()/rematted_computation/dot_general") == "recompute"
+    assert cat("loop_fusion", "jit(step)/optax/adam/mul") == "optimizer"
+    assert sb.in_scope("a/jvp(experts)/b", "experts") and not sb.in_scope("a/shared_experts/b", "experts")
 
 
 def _run_script(argv: list[str]) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import os
 import re
 from typing import NamedTuple
@@ -80,6 +81,8 @@ EXPERT_GEMM = re.compile(r"gmm|ragged[-_]?dot|grouped_?gemm", re.IGNORECASE)
 COLLECTIVE_OP = re.compile(
     r"all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute|collective-broadcast", re.I
 )
+# our Pallas permutation kernels (kernels/permute): gathers and a per-row dot, not GEMMs
+OUR_PERMUTE = re.compile(r"xmoe_(scatter_rows|combine|gather_dot)")
 OPTIMIZER_SCOPE = re.compile(r"optax|optimi[sz]er|adamw?\b|scale_by_adam|apply_updates", re.IGNORECASE)
 XLA_REMAT = re.compile(r"\.remat")
 # ops XLA adds without JAX metadata: without a `name` they are not top-level JAX code
@@ -192,6 +195,7 @@ def host_dispatches(profile, module: str) -> int:
 # ----------------------------------------------------------------------------- categories
 
 
+@functools.lru_cache(maxsize=65536)
 def region(stack: str) -> str:
     """`grad` (under jvp/transpose: forward and backward), `loop` (in a loop outside the
     gradient: the micro-batch loop) or `top` (the step's top level)."""
@@ -199,6 +203,22 @@ def region(stack: str) -> str:
     if any(p.startswith(("jvp(", "transpose(", "vjp(")) or p in ("jvp", "transpose") for p in parts):
         return "grad"
     return "loop" if "while" in parts or "scan" in parts else "top"
+
+
+def in_scope(stack: str, scope: str) -> bool:
+    """Whether `stack` passes through `jax.named_scope(scope)`; a transform wraps the scope's
+    name (`jvp(experts)`, `transpose(jvp(experts))`)."""
+    return re.search(rf"(?:^|[/(]){re.escape(scope)}(?:[)/]|$)", stack) is not None
+
+
+@functools.lru_cache(maxsize=65536)
+def _by_name(name: str, hlo_op: str) -> tuple[bool, bool, bool, bool]:
+    """(expert GEMM, exchange, attention, GEMM) by the kernel's and its op's names."""
+    expert = bool(EXPERT_GEMM.search(name) or EXPERT_GEMM.search(hlo_op))
+    exchange = not expert and bool(NCCL_PATTERN.search(name) or COLLECTIVE_OP.search(hlo_op))
+    attention = bool(ATTENTION.search(name) or ATTENTION.search(hlo_op))
+    gemm = bool(GEMM_PATTERN.search(name)) and not OUR_PERMUTE.search(name)
+    return expert, exchange, attention, gemm
 
 
 def collective_kind(kernel: Kernel) -> str:
@@ -212,18 +232,17 @@ def _category(k: Kernel, step_module: str | None) -> str:
     """The first category of KERNEL_ORDER whose rule `k` meets."""
     if step_module and k.module and k.module != step_module:
         return "other_programs"
-    expert_like = EXPERT_GEMM.search(k.name) or EXPERT_GEMM.search(k.hlo_op)
-    if not expert_like and (NCCL_PATTERN.search(k.name) or COLLECTIVE_OP.search(k.hlo_op)):
+    expert, exchange, attention, gemm = _by_name(k.name, k.hlo_op)
+    if exchange:
         return "exchange"
     where = region(k.stack) if k.stack is not None else None
-    if k.stack is not None and (OPTIMIZER_SCOPE.search(k.stack) or where == "top"):
+    if k.stack is not None and (where == "top" or OPTIMIZER_SCOPE.search(k.stack)):
         return "optimizer"
     if (k.stack is not None and "rematted" in k.stack) or XLA_REMAT.search(k.hlo_op):
         return "recompute"
-    if ATTENTION.search(k.name) or ATTENTION.search(k.hlo_op):
+    if attention:
         return "attention"
-    gemm = GEMM_PATTERN.search(k.name)
-    if expert_like or (gemm and k.stack is not None and "experts" in k.stack.split("/")):
+    if expert or (gemm and k.stack is not None and in_scope(k.stack, "experts")):
         return "expert_gemm"
     if gemm:
         return "other_gemm"
@@ -458,93 +477,3 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
         "top_kernels": top,
         "notes": notes,
     }
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def format_table(rep: dict) -> str:
-    """The report as Markdown: ms per step per GPU, the mean and its share of the step."""
-    gpus, mean = rep["gpus"], rep["mean"]
-    steps = sorted({(r["steps"], r["steps_from"]) for r in gpus.values()})
-    cols = list(gpus)
-    head = (
-        f"Step breakdown: {len(cols)} GPU(s), program {rep['module'] or '(unnamed)'}, "
-        + ", ".join(f"{n} steps ({src})" for n, src in steps)
-        + ", ms per step"
-    )
-    lines = [head, "", "| category | " + " | ".join(cols) + " | mean | % of step |"]
-    lines.append("|---" + "|---:" * (len(cols) + 2) + "|")
-    step = mean["step_ms"] or 1.0
-    for cat in ROWS:
-        if cat in rep["unidentified"]:
-            cells, share = ["n/a"] * (len(cols) + 1), "n/a"
-        else:
-            cells = [f"{gpus[g]['ms'][cat]:.2f}" for g in cols] + [f"{mean['ms'][cat]:.2f}"]
-            share = f"{100 * mean['ms'][cat] / step:.1f}%"
-        lines.append(f"| {LABELS[cat]} | " + " | ".join(cells) + f" | {share} |")
-    cells = [f"{gpus[g]['step_ms']:.2f}" for g in cols] + [f"{mean['step_ms']:.2f}"]
-    lines.append("| **step (sum)** | " + " | ".join(cells) + " | 100% |")
-    for key, label in (("exchange_hidden_ms", "exchange, hidden (under compute, not in the sum)"),
-                       ("exchange_total_ms", "exchange, total kernel time")):  # fmt: skip
-        cells = [f"{gpus[g][key]:.2f}" for g in cols] + [f"{mean[key]:.2f}"]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {100 * mean[key] / step:.1f}% |")
-    lines += [
-        "",
-        "Each slice of time counts once, in the first of: " + " > ".join(LABELS[c] for c in ROWS) + ".",
-    ]
-    if mean["exchange_by_collective"]:
-        lines.append(
-            "Exchange by collective (mean, total / exposed ms): "
-            + ", ".join(
-                f"{k} {v['total_ms']:.2f} / {v['exposed_ms']:.2f}"
-                for k, v in mean["exchange_by_collective"].items()
-            )
-        )
-    lines.append(f"JAX name stack on {100 * mean['name_stack_coverage']:.0f}% of kernel time.")
-    lines += ["", "Largest kernels (mean per GPU per step: ms, launches):"]
-    for cat, items in rep["top_kernels"].items():
-        label = LABELS.get(cat, cat)
-        lines.append(f"- {label}: " + "; ".join(f"{n[:70]} {m:.2f} ms x{c:.3g}" for n, m, c in items[:3]))
-    lines += [f"Note: {n}" for n in rep["notes"]]
-    return "\n".join(lines)
-
-
-COLORS = {
-    "optimizer": "#8c564b",
-    "recompute": "#e377c2",
-    "attention": "#1f77b4",
-    "expert_gemm": "#2ca02c",
-    "other_gemm": "#98df8a",
-    "loop": "#bcbd22",
-    "other_compute": "#9467bd",
-    "other_programs": "#7f7f7f",
-    "exchange_exposed": "#d62728",
-    "idle": "#dddddd",
-}
-
-
-def plot(rep: dict, path: str) -> None:
-    """A stacked bar per GPU and one for the mean: ms per step by category (matplotlib, headless)."""
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise TraceError("--plot needs matplotlib: pip install 'xmoe_jax[viz]'") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [*rep["gpus"], "mean"]
-    rows = [r["ms"] for r in rep["gpus"].values()] + [rep["mean"]["ms"]]
-    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(names), 5))
-    bottom = [0.0] * len(names)
-    for cat in ROWS:
-        values = [r[cat] for r in rows]
-        ax.bar(names, values, bottom=bottom, label=LABELS[cat], color=COLORS[cat])
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_ylabel("ms per step")
-    ax.set_title(f"{rep['module'] or 'step'}: where the step goes")
-    handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
