@@ -4,6 +4,7 @@ and rows that sum to the step's window."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import pathlib
@@ -17,6 +18,11 @@ from xmoe_jax.perf import step_breakdown as sb
 from xmoe_jax.perf import step_report
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "step_breakdown.py"
+# Two real traces of one H100 (jax 0.11.2), cut to the kernels' names, times and XLA's stats and
+# the host's step events: 3 steps of a jitted step of 2 micro-batches x 4 remat'd layers (cuDNN
+# attention, GEMMs under an `experts` scope) + optax.adamw; "graphs" as XLA runs it (CUDA graphs),
+# "no_graphs" with XLA_FLAGS=--xla_gpu_enable_command_buffer=.
+H100_TRACES = pathlib.Path(__file__).resolve().parent / "h100_step_traces.json.gz"
 
 GRAD = "while/body/closed_call/jvp()/layer"
 BWD = "while/body/closed_call/transpose(jvp())/checkpoint"
@@ -47,9 +53,10 @@ class Trace:
         self.planes.append(f'planes {{ id: {len(self.planes) + 1} name: "{name}" {body} }}')
 
     def text(self) -> str:
+        quote = lambda n: n.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
         meta = " ".join(
-            f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }} '
-            f'stat_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}'
+            f'event_metadata {{ key: {i} value {{ id: {i} name: "{quote(n)}" }} }} '
+            f'stat_metadata {{ key: {i} value {{ id: {i} name: "{quote(n)}" }} }}'
             for n, i in self.names.items()
         )  # every plane gets the same tables: ids are global here
         return "\n".join(p[:-1] + meta + " }" for p in self.planes)
@@ -158,7 +165,7 @@ def test_step_count_from_the_host_dispatches_and_the_mean_over_gpus(tmp_path):
     t.plane("/device:GPU:1", {"Stream #13(Kernel)": gemms})
     rep = sb.breakdown(str(t.write(tmp_path)))
     assert [g["steps"] for g in rep["gpus"].values()] == [2, 2] and list(rep["gpus"]) == ["GPU0", "GPU1"]
-    assert rep["gpus"]["GPU1"]["steps_from"] == "host dispatches of PjitFunction(step)"
+    assert rep["gpus"]["GPU1"]["steps_from"] == "host events PjitFunction(step)"
     assert rep["gpus"]["GPU1"]["ms"]["other_gemm"] == pytest.approx(5.0)
     assert rep["mean"]["ms"]["other_gemm"] == pytest.approx((0.5 + 5.0) / 2)
     assert rep["mean"]["ms"]["idle"] == pytest.approx((0.25 + 0.5) / 2)
@@ -244,6 +251,42 @@ def test_kernel_rules_for_our_kernels_and_scopes_under_transforms():
     assert cat("nvjet_hsh", "jit(step)/jvp()/rematted_computation/dot_general") == "recompute"
     assert cat("loop_fusion", "jit(step)/optax/adam/mul") == "optimizer"
     assert sb.in_scope("a/jvp(experts)/b", "experts") and not sb.in_scope("a/shared_experts/b", "experts")
+
+
+def _h100(which: str, folder: pathlib.Path) -> pathlib.Path:
+    t = Trace()
+    for plane, lines in json.loads(gzip.decompress(H100_TRACES.read_bytes()))[which].items():
+        events = {
+            line: [t.event(n, a / 1e6, b / 1e6, **stats) for n, a, b, stats in evs]
+            for line, evs in lines.items()
+        }
+        t.plane(plane, events)
+    return t.write(folder)
+
+
+def test_real_h100_traces(tmp_path):
+    """What jax 0.11.2 writes: per-op name stacks without CUDA graphs, the graph's shared one with."""
+    rep = sb.breakdown(str(_h100("no_graphs", tmp_path / "a")))
+    gpu = rep["gpus"]["GPU0"]
+    assert (gpu["steps"], gpu["steps_from"], rep["module"]) == (
+        3,
+        "host events Execute (jit_step)",
+        "jit_step",
+    )
+    ms = gpu["ms"]
+    assert sum(ms.values()) == pytest.approx(gpu["step_ms"]) and gpu["name_stack_coverage"] > 0.95
+    assert {c: round(ms[c], 2) for c in ("optimizer", "recompute", "attention", "expert_gemm", "loop")} == {
+        "optimizer": 0.05,
+        "recompute": 0.21,
+        "attention": 0.38,
+        "expert_gemm": 0.25,
+        "loop": 0.10,
+    }
+    assert ms["exchange_exposed"] == 0 and not any("CUDA graphs" in n for n in rep["notes"])
+    rep = sb.breakdown(str(_h100("graphs", tmp_path / "b")))
+    assert rep["gpus"]["GPU0"]["steps"] == 3 and rep["mean"]["cuda_graph_share"] > 0.9
+    assert rep["mean"]["ms"]["attention"] > 0.2 and rep["mean"]["ms"]["optimizer"] > 0
+    assert any("--xla_gpu_enable_command_buffer=" in n for n in rep["notes"])
 
 
 def _run_script(argv: list[str]) -> int:

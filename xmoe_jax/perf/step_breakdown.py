@@ -77,6 +77,8 @@ KERNEL_ORDER += ("other_gemm", "loop", "other_compute")
 NAME_STACK_CATEGORIES = ("optimizer", "recompute", "loop")
 
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|mha_", re.IGNORECASE)
+# jax.nn.dot_product_attention's scope, and the einsums of its XLA implementation
+ATTENTION_SCOPE = re.compile(r"dot_product_attention|BTNH,BSNH->BNTS|BNTS,BSNH->BTNH")
 EXPERT_GEMM = re.compile(r"gmm|ragged[-_]?dot|grouped_?gemm", re.IGNORECASE)
 COLLECTIVE_OP = re.compile(
     r"all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute|collective-broadcast", re.I
@@ -176,20 +178,34 @@ def read_plane(plane) -> PlaneTrace:
     return PlaneTrace(kernels, steps, modules)
 
 
-def host_dispatches(profile, module: str) -> int:
-    """How many times the host dispatched the jitted function of `module` (`jit_step` ->
-    `PjitFunction(step)` events on the host plane)."""
-    if not module.startswith("jit_"):
-        return 0
-    target = f"PjitFunction({module[4:]})"
-    return sum(
-        1
-        for plane in profile.planes
-        if plane.name.startswith("/host")
-        for line in plane.lines
-        for event in line.events
-        if event.name == target
+def _outermost(events) -> int:
+    """How many of `events` (one host thread's) are not nested in another of them: jaxlib
+    records `PjitFunction(step)` twice, one inside the other, per call."""
+    count, end = 0, float("-inf")
+    for start, stop in sorted(events):
+        if start >= end:
+            count += 1
+        end = max(end, stop)
+    return count
+
+
+def host_dispatches(profile, module: str) -> tuple[int, str]:
+    """How many times the host ran `module` in the trace, and the host event that says so:
+    PjRt's `...::Execute (jit_step)` (one per step for all local GPUs), else the Python call
+    `PjitFunction(step)`."""
+    lines = [line for plane in profile.planes if plane.name.startswith("/host") for line in plane.lines]
+    targets = (
+        (f"::Execute ({module})", str.endswith),
+        (f"PjitFunction({module.removeprefix('jit_')})", str.__eq__),
     )
+    for target, match in targets:
+        found = sum(
+            _outermost([(e.start_ns, e.end_ns) for e in line.events if match(e.name, target)])
+            for line in lines
+        )
+        if found:
+            return found, f"host events {target.lstrip(':')}"
+    return 0, "host events"
 
 
 # ----------------------------------------------------------------------------- categories
@@ -235,12 +251,15 @@ def _category(k: Kernel, step_module: str | None) -> str:
     expert, exchange, attention, gemm = _by_name(k.name, k.hlo_op)
     if exchange:
         return "exchange"
-    where = region(k.stack) if k.stack is not None else None
+    # a kernel of a CUDA graph (XLA command buffer) carries the graph's common name stack: a
+    # scope in it holds for every kernel of the graph, where it sits (top level, loop) does not
+    in_graph = k.hlo_op.startswith("command_buffer")
+    where = region(k.stack) if k.stack is not None and not in_graph else None
     if k.stack is not None and (where == "top" or OPTIMIZER_SCOPE.search(k.stack)):
         return "optimizer"
     if (k.stack is not None and "rematted" in k.stack) or XLA_REMAT.search(k.hlo_op):
         return "recompute"
-    if attention:
+    if attention or (k.stack is not None and ATTENTION_SCOPE.search(k.stack)):
         return "attention"
     if expert or (gemm and k.stack is not None and in_scope(k.stack, "experts")):
         return "expert_gemm"
@@ -291,7 +310,7 @@ def gpu_breakdown(plane: PlaneTrace, module: str | None, num_steps: int) -> dict
     by_kind: dict[str, list[Interval]] = collections.defaultdict(list)
     top: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
     counts: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
-    stacked = busy = 0.0
+    stacked = busy = in_graph = 0.0
     memo: dict[tuple, str] = {}
     for k in plane.kernels:
         if k.end <= window[0] or k.start >= window[1]:
@@ -305,6 +324,7 @@ def gpu_breakdown(plane: PlaneTrace, module: str | None, num_steps: int) -> dict
             by_kind[collective_kind(k)].append((k.start, k.end))
         busy += k.end - k.start
         stacked += (k.end - k.start) if k.stack is not None else 0.0
+        in_graph += (k.end - k.start) if k.hlo_op.startswith("command_buffer") else 0.0
     unions = {c: union(_clip(v, window)) for c, v in cats.items()}
     unions["exchange_exposed"] = unions.pop("exchange")
     out_ns, covered = {}, []
@@ -333,6 +353,7 @@ def gpu_breakdown(plane: PlaneTrace, module: str | None, num_steps: int) -> dict
         "exchange_by_collective": kinds,
         "kernels": sum(len(v) for v in cats.values()),
         "name_stack_coverage": stacked / busy if busy else 0.0,
+        "cuda_graph_share": in_graph / busy if busy else 0.0,
         "top": {
             c: [(name, ns * per_step, counts[c][name] / num_steps) for name, ns in top[c].most_common(5)]
             for c in KERNEL_ORDER
@@ -398,7 +419,7 @@ def breakdown(folder: str, steps: int | None = None, module: str | None = None) 
                 n = found
             elif n is None:
                 dispatches = host_dispatches(profile, mod or "") if dispatches is None else dispatches
-                n, source = dispatches, f"host dispatches of PjitFunction({(mod or '')[4:]})"
+                n, source = dispatches
             else:
                 if found and found != steps:
                     notes.append(
@@ -434,6 +455,7 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
             for k in kinds
         },
         "name_stack_coverage": mean([r["name_stack_coverage"] for r in rows]),
+        "cuda_graph_share": mean([r["cuda_graph_share"] for r in rows]),
     }
     top = {}
     for cat in KERNEL_ORDER:
@@ -455,6 +477,13 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
         notes.append(
             f"only {100 * summary['name_stack_coverage']:.0f}% of kernel time carries a JAX name stack: "
             "optimizer, recompute and micro-batch loop are lower bounds"
+        )
+    if summary["cuda_graph_share"] > 0.05:
+        notes.append(
+            f"{100 * summary['cuda_graph_share']:.0f}% of kernel time ran in CUDA graphs (XLA command "
+            "buffers), whose kernels carry only the graph's common name stack: recompute, optimizer, "
+            "micro-batch loop and the experts scope are undercounted; for attribution retake the trace "
+            "with XLA_FLAGS=--xla_gpu_enable_command_buffer= (docs/profiling.md)"
         )
     if module is None:
         notes.append(
