@@ -19,14 +19,16 @@ Per GPU:
      outside the sum. `idle` is the window's time with no kernel at all (host gaps, launch latency,
      waiting on a peer before a collective's kernel starts). The rows sum to the window;
   4. per step = window totals / the number of steps (`--steps`, else `Steps` / `XLA Modules`
-     events, else the host's `PjitFunction(<step>)` dispatches in the trace).
+     events, else the host's `...::Execute (jit_step)` events in the trace).
 
 The name-stack rules are best effort, and the report says when they could not apply (no kernel
 carried a name stack): recompute is JAX's `rematted_computation` scope (what `jax.checkpoint`
 recomputes in the backward pass) or XLA's own rematerialization (`.remat` op names); optimizer is
 everything at the step's top level (outside jvp/transpose and the micro-batch loop: optax, clipping,
 the router-bias update, metrics) or under an optimizer-named scope; the micro-batch loop is work in
-the loop but outside the gradient (accumulation adds, slicing).
+the loop but outside the gradient (accumulation adds, slicing). A kernel inside a CUDA graph (XLA's
+command buffers, on by default) carries only the name stack its graph's ops share, so these rules
+see little of a default trace; docs/profiling.md says how to take one without graphs.
 """
 
 from __future__ import annotations
