@@ -172,6 +172,18 @@ def test_step_count_from_the_host_dispatches_and_the_mean_over_gpus(tmp_path):
     assert sum(rep["mean"]["ms"].values()) == pytest.approx(rep["mean"]["step_ms"]) == 5.5
 
 
+def test_the_tail_of_an_earlier_step_stays_out_of_the_window(tmp_path):
+    """Kernels before the first traced dispatch belong to the step before the trace."""
+    t = Trace()
+    kernels = [k(t, "nvjet_hsh", a, b, GRAD) for a, b in ((0, 1), (3, 5), (6, 8))]
+    t.plane("/device:GPU:0", {"Stream #7(Kernel)": kernels})
+    execute = "CommonPjRtLoadedExecutable::Execute (jit_step)"
+    t.plane("/host:CPU", {"python3": [t.event(execute, 2, 5.5), t.event(execute, 5.5, 9)]})
+    gpu = sb.breakdown(str(t.write(tmp_path)))["gpus"]["GPU0"]
+    assert (gpu["steps"], gpu["steps_from"]) == (2, "host events Execute (jit_step)")
+    assert gpu["step_ms"] == pytest.approx(2.5) and gpu["ms"]["other_gemm"] == pytest.approx(2.0)
+
+
 def test_without_name_stacks_the_stack_categories_are_reported_unidentified(tmp_path):
     t = Trace()
     kernels = [

@@ -9,7 +9,7 @@ xprof carry the same on derived `XLA Ops` / `XLA Modules` lines, which are read 
 
 Per GPU:
   1. the step's program is the one with the most kernel time (or `module=`); the window runs from
-     its first kernel to its last (or over the `Steps` / `XLA Modules` events when the trace has
+     its first kernel after the host's first traced dispatch to its last (or over the `Steps` / `XLA Modules` events when the trace has
      them); kernels of other programs inside it are `other programs`;
   2. every kernel gets the first category in `KERNEL_ORDER` whose rule it meets (`_category`);
   3. each category's kernels are merged into a union (concurrent kernels count once), and time is
@@ -191,7 +191,13 @@ def _outermost(events) -> int:
     return count
 
 
-def host_dispatches(profile, module: str) -> tuple[int, str]:
+class HostSteps(NamedTuple):
+    count: int  # 0: the host events say nothing
+    source: str
+    first_ns: float  # when the first of them began: no kernel of a traced step starts before it
+
+
+def host_dispatches(profile, module: str) -> HostSteps:
     """How many times the host ran `module` in the trace, and the host event that says so:
     PjRt's `...::Execute (jit_step)` (one per step for all local GPUs), else the Python call
     `PjitFunction(step)`."""
@@ -201,13 +207,12 @@ def host_dispatches(profile, module: str) -> tuple[int, str]:
         (f"PjitFunction({module.removeprefix('jit_')})", str.__eq__),
     )
     for target, match in targets:
-        found = sum(
-            _outermost([(e.start_ns, e.end_ns) for e in line.events if match(e.name, target)])
-            for line in lines
-        )
+        per_line = [[(e.start_ns, e.end_ns) for e in line.events if match(e.name, target)] for line in lines]
+        found = sum(_outermost(events) for events in per_line)
         if found:
-            return found, f"host events {target.lstrip(':')}"
-    return 0, "host events"
+            first = min(start for events in per_line for start, _ in events)
+            return HostSteps(found, f"host events {target.lstrip(':')}", first)
+    return HostSteps(0, "host events", float("-inf"))
 
 
 # ----------------------------------------------------------------------------- categories
@@ -293,21 +298,27 @@ def _clip(intervals: list[Interval], window: Interval) -> list[Interval]:
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
 
-def window_of(plane: PlaneTrace, module: str | None) -> tuple[Interval, int]:
+def window_of(
+    plane: PlaneTrace, module: str | None, not_before: float = float("-inf")
+) -> tuple[Interval, int]:
     """(start, end) of the traced steps on this GPU, and the number of step events found (0:
-    none, the window is the step program's first to last kernel)."""
+    none, the window is the step program's first to last kernel that starts at `not_before` or
+    later: the first traced dispatch, so that the tail of an earlier step stays out)."""
     if plane.steps:
         return (plane.steps[0][0], max(e for _, e in plane.steps)), len(plane.steps)
     runs = [(s, e) for s, e, name in plane.modules if name == module]
     if runs:
         return (runs[0][0], max(e for _, e in runs)), len(runs)
-    mine = [k for k in plane.kernels if module is None or k.module == module] or plane.kernels
+    mine = [k for k in plane.kernels if (module is None or k.module == module) and k.start >= not_before]
+    mine = mine or plane.kernels
     return (min(k.start for k in mine), max(k.end for k in mine)), 0
 
 
-def gpu_breakdown(plane: PlaneTrace, module: str | None, num_steps: int) -> dict:
+def gpu_breakdown(
+    plane: PlaneTrace, module: str | None, num_steps: int, not_before: float = float("-inf")
+) -> dict:
     """ms per step by category for one GPU (module docstring, steps 2-4)."""
-    window, _ = window_of(plane, module)
+    window, _ = window_of(plane, module, not_before)
     cats: dict[str, list[Interval]] = {c: [] for c in KERNEL_ORDER}
     by_kind: dict[str, list[Interval]] = collections.defaultdict(list)
     top: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
@@ -409,31 +420,23 @@ def breakdown(folder: str, steps: int | None = None, module: str | None = None) 
     mod = step_module([pt for _, _, planes in loaded for _, pt in planes], module)
     notes, gpus = [], {}
     for index, (path, profile, planes) in enumerate(loaded):
-        dispatches = None
+        host = host_dispatches(profile, mod or "")
         for plane_name, pt in planes:
             if not pt.kernels:
                 notes.append(f"{path}:{plane_name} holds no kernels; left out")
                 continue
             _, found = window_of(pt, mod)
-            source = "Steps line" if pt.steps else "XLA Modules line"
-            n = steps
-            if n is None and found:
-                n = found
-            elif n is None:
-                dispatches = host_dispatches(profile, mod or "") if dispatches is None else dispatches
-                n, source = dispatches
-            else:
-                if found and found != steps:
-                    notes.append(
-                        f"{plane_name}: the trace's {source} has {found} steps, --steps says {steps}"
-                    )
-                source = "--steps"
+            n, source = (found, "Steps line" if pt.steps else "XLA Modules line") if found else host[:2]
+            if steps is not None:
+                if n and n != steps:
+                    notes.append(f"{plane_name}: the trace's {source} say {n} steps, --steps says {steps}")
+                n, source = steps, "--steps"
             if not n:
                 raise TraceError(
                     f"cannot tell how many steps {path} covers: pass --steps N "
                     "(train.profile_steps=[a, b] traces b - a + 1 steps)"
                 )
-            row = gpu_breakdown(pt, mod, n)
+            row = gpu_breakdown(pt, mod, n, host.first_ns)
             row.update(device=f"{path}:{plane_name}", steps=n, steps_from=source)
             gpus[_label(path, folder, plane_name, index, len(loaded) > 1)] = row
     return _summarise(gpus, mod, notes)
