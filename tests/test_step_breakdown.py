@@ -15,7 +15,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from xmoe_jax.perf import step_breakdown as sb
-from xmoe_jax.perf import step_report
+from xmoe_jax.perf import step_report, trace_kernels
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "step_breakdown.py"
 # Two real traces of one H100 (jax 0.11.2), cut to the kernels' names, times and XLA's stats and
@@ -227,15 +227,17 @@ def test_xprof_lines_give_the_steps_and_the_name_stacks(tmp_path):
 
 def test_name_stack_and_region_rules():
     assert (
-        sb.name_stack({"prefix": "jit(step)", "name": "jvp()/dot_general"}) == "jit(step)/jvp()/dot_general"
+        trace_kernels.name_stack({"prefix": "jit(step)", "name": "jvp()/dot_general"})
+        == "jit(step)/jvp()/dot_general"
     )
     assert (
-        sb.name_stack({"prefix": "jit(step)", "hlo_op": "fusion.2"}) == "jit(step)"
+        trace_kernels.name_stack({"prefix": "jit(step)", "hlo_op": "fusion.2"}) == "jit(step)"
     )  # an op named the prefix
-    assert sb.name_stack({"prefix": "jit(step)", "hlo_op": "copy.4"}) is None  # XLA's own copy
-    assert sb.name_stack({"tf_op": "XlaModule:"}) is None
+    assert trace_kernels.name_stack({"prefix": "jit(step)", "hlo_op": "copy.4"}) is None  # XLA's own copy
+    assert trace_kernels.name_stack({"tf_op": "XlaModule:"}) is None
     assert (
-        sb.name_stack({"long_name": '%f = f32[] fusion(), metadata={op_name="jit(f)/mul"}'}) == "jit(f)/mul"
+        trace_kernels.name_stack({"long_name": '%f = f32[] fusion(), metadata={op_name="jit(f)/mul"}'})
+        == "jit(f)/mul"
     )
     assert [
         sb.region(s) for s in ("jit(step)/jvp(attn)/tanh", "jit(step)/while/body/add", "jit(step)/sqrt")

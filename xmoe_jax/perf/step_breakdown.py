@@ -1,16 +1,14 @@
 """Where a train step's time goes on each GPU: a `jax.profiler` trace cut into categories.
 
 Why: "17% MFU" says nothing about which lever to pull; the trace of a few steps does. A trace
-(`train.profile_steps=[a, b]`, docs/profiling.md) holds one plane per GPU (`/device:GPU:<i>`)
-whose `Stream #...` lines are the kernels as the GPU ran them (read as kernel_overlap.py reads
-them). XLA annotates each kernel with its HLO op (`hlo_op`), its program (`hlo_module`) and the
-JAX name stack of the op (`name`, relative to the program's `prefix`); traces that went through
-xprof carry the same on derived `XLA Ops` / `XLA Modules` lines, which are read when present.
+(`train.profile_steps=[a, b]`, docs/profiling.md) holds one plane per GPU whose kernels XLA
+annotates with their HLO op, their program and the op's JAX name stack (trace_kernels.py reads
+them).
 
 Per GPU:
   1. the step's program is the one with the most kernel time (or `module=`); the window runs from
-     its first kernel after the host's first traced dispatch to its last (or over the `Steps` / `XLA Modules` events when the trace has
-     them); kernels of other programs inside it are `other programs`;
+     its first kernel after the host's first traced dispatch to its last (or over the `Steps` /
+     `XLA Modules` events when the trace has them); other programs' kernels in it are their own row;
   2. every kernel gets the first category in `KERNEL_ORDER` whose rule it meets (`_category`);
   3. each category's kernels are merged into a union (concurrent kernels count once), and time is
      handed out in `PRIORITY` order: a category gets the part of its union that no category before
@@ -33,30 +31,19 @@ see little of a default trace; docs/profiling.md says how to take one without gr
 
 from __future__ import annotations
 
-import bisect
 import collections
 import functools
 import os
 import re
-from typing import NamedTuple
 
-from xmoe_jax.errors import EXIT_BAD_INPUT, XmoeError
-from xmoe_jax.perf.kernel_overlap import (
-    GEMM_PATTERN,
-    NCCL_PATTERN,
-    Interval,
-    intersection,
-    length,
-    trace_files,
-    union,
+from xmoe_jax.perf.kernel_overlap import GEMM_PATTERN, NCCL_PATTERN, Interval, intersection, length, union
+from xmoe_jax.perf.trace_kernels import (
+    Kernel,
+    PlaneTrace,
+    TraceError,
+    host_dispatches,
+    read_trace,
 )
-
-
-class TraceError(XmoeError):
-    """The trace cannot be read into a breakdown (no trace, no GPU plane, no step count)."""
-
-    exit_code = EXIT_BAD_INPUT
-
 
 LABELS = {
     "optimizer": "optimizer & update",
@@ -89,130 +76,12 @@ COLLECTIVE_OP = re.compile(
 OUR_PERMUTE = re.compile(r"xmoe_(scatter_rows|combine|gather_dot)")
 OPTIMIZER_SCOPE = re.compile(r"optax|optimi[sz]er|adamw?\b|scale_by_adam|apply_updates", re.IGNORECASE)
 XLA_REMAT = re.compile(r"\.remat")
-# ops XLA adds without JAX metadata: without a `name` they are not top-level JAX code
-NO_METADATA_OP = re.compile(r"^(wrapped_)?(copy|bitcast|tuple|get-tuple-element|parameter|while|conditional)")
 COLLECTIVE_KINDS = (
     ("all-to-all", re.compile(r"all-to-all|sendrecv|alltoall|ragged|collective-permute", re.I)),
     ("all-reduce", re.compile(r"all-?reduce", re.I)),
     ("all-gather", re.compile(r"all-?gather", re.I)),
     ("reduce-scatter", re.compile(r"reduce-?scatter", re.I)),
 )
-
-
-class Kernel(NamedTuple):
-    start: float
-    end: float
-    name: str
-    hlo_op: str
-    module: str  # "" when the trace does not say
-    stack: str | None  # the JAX name stack, None when the trace does not say
-
-
-# ----------------------------------------------------------------------------- reading
-
-
-def _stats(event) -> dict:
-    out = {}
-    for key, value in event.stats:
-        if key is not None and key not in out:
-            out[key] = value
-    return out
-
-
-def name_stack(stats: dict) -> str | None:
-    """The op's JAX name stack (`jit(step)/.../dot_general`) from a kernel's or XLA op's stats."""
-    if stats.get("op_name"):
-        return str(stats["op_name"])
-    prefix, name = str(stats.get("prefix") or ""), str(stats.get("name") or "")
-    if name:
-        return f"{prefix}/{name}" if prefix and not name.startswith(prefix) else name
-    tf_op = str(stats.get("tf_op") or "")
-    if "/" in tf_op:
-        return tf_op
-    found = re.search(r'op_name="([^"]*)"', str(stats.get("long_name") or ""))
-    if found:
-        return found.group(1)
-    # an annotation drops empty values: an op named exactly the program's prefix has no `name`
-    hlo_op = str(stats.get("hlo_op") or "")
-    if prefix and hlo_op and not NO_METADATA_OP.match(hlo_op):
-        return prefix
-    return None
-
-
-def _module_name(event_name: str) -> str:
-    return re.sub(r"\(\d+\)$", "", event_name)  # xprof names module events `jit_step(12)`
-
-
-class PlaneTrace(NamedTuple):
-    kernels: list[Kernel]
-    steps: list[Interval]  # `Steps` line events (xprof), else empty
-    modules: list[tuple[float, float, str]]  # `XLA Modules` line events
-
-
-def read_plane(plane) -> PlaneTrace:
-    """Kernels of one GPU plane with their op, program and name stack."""
-    raw, ops, modules, steps = [], [], [], []
-    for line in plane.lines:
-        if line.name == "XLA Ops":
-            ops = sorted((e.start_ns, e.end_ns, e.name, _stats(e)) for e in line.events)
-        elif line.name == "XLA Modules":
-            modules = sorted((e.start_ns, e.end_ns, _module_name(e.name)) for e in line.events)
-        elif line.name == "Steps":
-            steps = sorted((e.start_ns, e.end_ns) for e in line.events)
-        elif line.name.startswith("Stream"):  # as kernel_overlap: the other lines are not kernels
-            raw.extend((e.start_ns, e.end_ns, e.name, _stats(e)) for e in line.events)
-    op_starts, module_starts = [o[0] for o in ops], [m[0] for m in modules]
-    kernels = []
-    for start, end, name, stats in raw:
-        hlo_op, module, stack = (
-            str(stats.get("hlo_op") or ""),
-            str(stats.get("hlo_module") or ""),
-            name_stack(stats),
-        )
-        i = bisect.bisect_right(op_starts, start) - 1
-        if i >= 0 and start < ops[i][1]:  # the derived XLA op that covers this kernel
-            hlo_op = hlo_op or ops[i][2]
-            stack = stack or name_stack(ops[i][3])
-        j = bisect.bisect_right(module_starts, start) - 1
-        if not module and j >= 0 and start < modules[j][1]:
-            module = modules[j][2]
-        kernels.append(Kernel(start, end, name, hlo_op, module, stack))
-    return PlaneTrace(kernels, steps, modules)
-
-
-def _outermost(events) -> int:
-    """How many of `events` (one host thread's) are not nested in another of them: jaxlib
-    records `PjitFunction(step)` twice, one inside the other, per call."""
-    count, end = 0, float("-inf")
-    for start, stop in sorted(events):
-        if start >= end:
-            count += 1
-        end = max(end, stop)
-    return count
-
-
-class HostSteps(NamedTuple):
-    count: int  # 0: the host events say nothing
-    source: str
-    first_ns: float  # when the first of them began: no kernel of a traced step starts before it
-
-
-def host_dispatches(profile, module: str) -> HostSteps:
-    """How many times the host ran `module` in the trace, and the host event that says so:
-    PjRt's `...::Execute (jit_step)` (one per step for all local GPUs), else the Python call
-    `PjitFunction(step)`."""
-    lines = [line for plane in profile.planes if plane.name.startswith("/host") for line in plane.lines]
-    targets = (
-        (f"::Execute ({module})", str.endswith),
-        (f"PjitFunction({module.removeprefix('jit_')})", str.__eq__),
-    )
-    for target, match in targets:
-        per_line = [[(e.start_ns, e.end_ns) for e in line.events if match(e.name, target)] for line in lines]
-        found = sum(_outermost(events) for events in per_line)
-        if found:
-            first = min(start for events in per_line for start, _ in events)
-            return HostSteps(found, f"host events {target.lstrip(':')}", first)
-    return HostSteps(0, "host events", float("-inf"))
 
 
 # ----------------------------------------------------------------------------- categories
@@ -386,37 +255,11 @@ def _label(path: str, folder: str, plane_name: str, index: int, several: bool) -
     return f"{first if first.startswith('process_') else f'file{index}'}/{gpu}"
 
 
-def _read(folder: str) -> list[tuple[str, object, list[tuple[str, PlaneTrace]]]]:
-    from jax.profiler import ProfileData
-
-    files = trace_files(folder)
-    if not files:
-        raise TraceError(
-            f"no *.xplane.pb under {folder}: take a trace with train.profile_steps=[a, b] (docs/profiling.md)"
-        )
-    loaded = []
-    for path in files:
-        try:
-            profile = ProfileData.from_file(path)
-        except Exception as err:  # a truncated or foreign file: say which one
-            raise TraceError(f"cannot read {path} ({err}); is the trace complete?") from err
-        planes = [(p.name, read_plane(p)) for p in profile.planes if p.name.startswith("/device:GPU")]
-        loaded.append((path, profile, planes))
-    if not any(planes for _, _, planes in loaded):
-        raise TraceError(
-            f"no GPU plane (/device:GPU:<i>) in the {len(files)} trace file(s) under {folder}: a CPU "
-            "run has no GPU kernels to break down; take the trace on GPUs"
-        )
-    if not any(pt.kernels for _, _, planes in loaded for _, pt in planes):
-        raise TraceError(f"the GPU planes under {folder} hold no kernels: did the traced steps run?")
-    return loaded
-
-
 def breakdown(folder: str, steps: int | None = None, module: str | None = None) -> dict:
     """The report of every trace file under `folder`: per GPU and the mean over GPUs."""
     if steps is not None and steps < 1:
         raise TraceError(f"--steps {steps}: the number of traced steps must be at least 1")
-    loaded = _read(folder)
+    loaded = read_trace(folder)
     mod = step_module([pt for _, _, planes in loaded for _, pt in planes], module)
     notes, gpus = [], {}
     for index, (path, profile, planes) in enumerate(loaded):
