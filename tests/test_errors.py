@@ -27,6 +27,7 @@ EXIT_CODES = {
     "IntegrityError": 2,
     "CheckpointWriteError": 1,
     "TrainingError": 1,
+    "TraceError": 2,
 }
 NOT_ERRORS = {"XmoeError": "the root itself", "Preempted": "a stop on request (status 75), not an error"}
 

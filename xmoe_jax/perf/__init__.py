@@ -9,4 +9,6 @@ Nothing in the trainer imports this package. Modules:
   memory_model.py  analytic activation memory of the MoE block;
   rbd_cost.py      RBD's expected saving of cross-node rows.
   lowering.py      the train step exported for ROCm / CUDA from any host, and its kernel calls.
+  step_breakdown.py where a traced step's time goes per GPU (trace_kernels.py reads the trace,
+                   step_report.py draws the table and the picture).
 """
