@@ -14,10 +14,10 @@ else
   export PYTHONPATH=$PWD
 fi
 # A package missing from the machine and from .whl/ fails every step at its import: say so once, first.
-python3 -c 'import xmoe_jax.train.loop, xmoe_jax.cli' > "$OUT/import_check.txt" 2>&1 ||
-  echo "gpu_env: xmoe_jax does not import here ($(tail -1 "$OUT/import_check.txt")); fill .whl/ with" \
+python3 -c 'import xmoe_jax.train.loop, xmoe_jax.cli' > /tmp/xmoe_import_check.txt 2>&1 ||
+  echo "gpu_env: xmoe_jax does not import here ($(tail -1 /tmp/xmoe_import_check.txt)); fill .whl/ with" \
     "scripts/peers_wheels.sh on a machine with internet and carry it" | tee -a "$OUT/steps.txt"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1  # multicast off (KINDS.md)
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}  # big models need more than the 75% default
 step() {  # name timeout command...
   local name=$1 limit=$2; shift 2
