@@ -11,14 +11,14 @@
 #     bash scripts/gpu_bench_procs.sh          # CPU check: N processes x CPU_DEVICES fake devices (gloo)
 #
 # The model: the Small shapes x 4 layers, dropless pft, mesh.expert = N (data 1), train.batch_size =
-# 32 x N, data.shuffle=false (every layout reads the same sequences), STEPS steps (default 30; the
+# 32 x N, data.shuffle=false (every layout reads the same sequences), STEPS steps (default 20; the
 # JSON keeps every loss; tokens/s of the last third). Expect about 2 minutes per run on 4 H100s. Output
 # under $OUT (7 files; the device tool brings back 8): single.json/.log, procs.json/.log (the launcher's
 # lines), procs.tgz (each process's log), compare.txt, steps.txt (GPUs, each run's status and time).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 N=${N:-4}
-STEPS=${STEPS:-30}
+STEPS=${STEPS:-20}
 CONFIG=${CONFIG:-configs/tiny_small_shape.yaml}
 PER_GPU=${BATCH_PER_GPU:-32}
 SETS=(--set mesh.expert="$N" --set mesh.data=1 --set train.batch_size=$((PER_GPU * N))
@@ -36,8 +36,8 @@ else
   EACH=(--one-device-each)  # process I drives GPU I (--local-device-ids I)
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/steps.txt" 2>&1
-step single 290 "${SINGLE_ENV[@]}" "${BENCH[@]}" --out "$OUT/single.json"
-step procs 300 "${MULTI_ENV[@]}" python3 -m xmoe_jax.launch.local run -n "$N" "${EACH[@]}" --logs "$OUT/procs" \
+step single 260 "${SINGLE_ENV[@]}" "${BENCH[@]}" --out "$OUT/single.json"
+step procs 280 "${MULTI_ENV[@]}" python3 -m xmoe_jax.launch.local run -n "$N" "${EACH[@]}" --logs "$OUT/procs" \
   --grace 60 -- "${BENCH[@]}" --out "$OUT/procs.json"
 cat "$OUT/procs.log"
 if [ -f "$OUT/single.json" ] && [ -f "$OUT/procs.json" ]; then
