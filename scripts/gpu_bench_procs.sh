@@ -47,7 +47,8 @@ else
   for f in single procs; do [ -f "$OUT/$f.json" ] || tail -5 "$OUT/$f.log"; done
 fi
 echo "== shutdown noise (coordination-service warnings, aborts) in the process logs:"
-grep -H -E "WatchTasksAsync|Connection refused|coordination service|Terminating process|jax.Client was leaked" \
-  "$OUT"/procs/*.log | head -20 || echo "none"
+noise=$(grep -H -E "WatchTasksAsync|Connection refused|coordination service|Terminating process|jax.Client was leaked" \
+  "$OUT"/procs/*.log | head -20)
+echo "${noise:-none}"
 tar -czf "$OUT/procs.tgz" -C "$OUT" procs && rm -rf "$OUT/procs"
 cat "$OUT/steps.txt"

@@ -138,6 +138,7 @@ def main() -> None:
         "python": platform.python_version(),
         "config": args.config,
         "keys": keys,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "batch_size": batch,
         "tokens_per_step": tokens,
         "steps": args.steps,
