@@ -114,7 +114,11 @@ maxtext_ep() {  # name limit n policy: one process over n devices, ici_expert_pa
   local name=$1 limit=$2 n=$3 policy=$4 flags=${XLA_FLAGS:-}
   # its EP exchange is XLA's ragged all-to-all: on GPUs give it the lowering xmoe_jax's rows get by
   # default (xmoe_jax/launch/xla_flags.py: the decomposer, 30x XLA's own ragged kernel on 2 H200s)
-  [ -n "${PEERS_CPU_DEVICES:-}" ] || flags="$flags --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+  if [ -n "${PEERS_CPU_DEVICES:-}" ]; then
+    flags="$flags --xla_force_host_platform_device_count=$PEERS_CPU_DEVICES"
+  else
+    flags="$flags --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+  fi
   run "$name" "$limit" env "$(gpus "$n")" XLA_FLAGS="$flags" PYTHONPATH="$PEERS_PATH" "$PY" "$HERE/peers/maxtext_run.py" \
     --config "$CONFIG" --policy "$policy" --steps "$STEPS" --ep "$n" --out "$RUNS/$name.json" ${PEERS_MAXTEXT_ARGS:-}
 }
