@@ -14,10 +14,25 @@
 # pathwaysutils, xprof and Hugging Face datasets are stubbed (scripts/peers/stubs).
 # Rows (PEERS_ROWS, default all, in this order): xmoe_none xmoe_full maxtext_full maxtext_minimal
 # titan_selective titan_none16 titan_full (torchtitan without AC runs out of memory at batch 32: batch 16).
+# Expert parallel on N GPUs of the machine (issue 30, Build item 5; N from the name, EP = N, data 1, the
+# config's batch per GPU, so 32 x 2048 = 64k tokens per GPU and a global batch of 32 x N):
+#   xmoe_epN, xmoe_epN_full   scripts/bench_train_step.py, mesh.expert=N, dispatch pft (dropless), one
+#                             process; recomputation none / full
+#   maxtext_epN, maxtext_epN_minimal   maxtext_run.py --ep N (ici_expert_parallelism=N), one process
+#   titan_epN, titan_epN_sel, titan_epN_none   torchrun --standalone --nproc_per_node N titan_run.py
+#                             --ep N (expert_parallel_degree=N on FSDP2 over the N ranks): AC full,
+#                             selective:op, none
+#   PEERS_ROWS=ep4 is "xmoe_ep4 maxtext_ep4 titan_ep4" (epN likewise). Each call that runs a peer's EP row runs
+#   xmoe_epN too: the table's ratios are to it (per GPU), from the same call. Split the rows over
+#   calls of 10 minutes, e.g. PEERS_BUDGET=570 PEERS_ROWS="ep4" then
+#   PEERS_BUDGET=570 PEERS_ROWS="xmoe_ep4 titan_ep4_sel titan_ep4_none".
+# CPU dry run of the EP rows: PEERS_CPU_DEVICES=4 gives the one-process rows 4 fake CPU devices.
 # Every run has its own timeout, clipped to what is left of PEERS_BUDGET seconds (default 500).
 # CPU dry run of the harness itself (tiny config, a Python 3.12 venv holding the peers):
 #   PEERS_PYTHON=/tmp/peersvenv/bin/python PEERS_MAXTEXT_ARGS=--cpu PEERS_TITAN_ARGS="--cpu --no-compile" \
 #   CONFIG=tiny.yaml MATMUL_SIZE=256 bash scripts/bench_peers.sh
+#   (+ PEERS_CPU_DEVICES=4 PEERS_ROWS="xmoe_ep4 maxtext_ep4 titan_ep4", PEERS_PYTHON of a venv whose
+#   python has both MaxText and torch, or PEERS_TITAN_PYTHON for another one that has torch)
 # Output under $OUT (5 files: the device tool brings back 8): peers.json (the table rows and every
 # run's JSON), table.md, env.txt, steps.txt, runs.tgz (each run's JSON and log); PEERS_KEEP=1 leaves
 # $OUT/runs/ unpacked instead. The table is printed last.
@@ -30,6 +45,11 @@ CONFIG=${CONFIG:-configs/tiny_small_shape.yaml}
 STEPS=${STEPS:-15}
 BUDGET=${PEERS_BUDGET:-500}
 ROWS=${PEERS_ROWS:-xmoe_none xmoe_full maxtext_full maxtext_minimal titan_selective titan_none16 titan_full}
+expanded=""
+for row in $ROWS; do  # epN: the shorthand for xmoe_epN maxtext_epN titan_epN
+  case $row in ep[0-9]*) expanded="$expanded xmoe_$row maxtext_$row titan_$row" ;; *) expanded="$expanded $row" ;; esac
+done
+ROWS=$expanded
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 T0=$SECONDS
@@ -74,6 +94,43 @@ titan() {  # name limit ac args...
     --ac "$ac" --steps "$STEPS" --out "$RUNS/$name.json" ${PEERS_TITAN_ARGS:-} "$@"
 }
 
+gpus() {  # n: CUDA_VISIBLE_DEVICES for the first n GPUs; on the CPU (PEERS_CPU_DEVICES) fake devices
+  if [ -n "${PEERS_CPU_DEVICES:-}" ]; then
+    echo "XLA_FLAGS=--xla_force_host_platform_device_count=$PEERS_CPU_DEVICES"
+  else
+    echo "CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1)))"
+  fi
+}
+BATCH=$(python3 -c "import sys; sys.path.insert(0, '$HERE/peers'); import peer_shape as s; print(s.load_shape('$CONFIG').batch_size)")
+xmoe_ep() {  # name limit n overrides...: mesh.expert=n, data 1, the config's batch per GPU
+  local name=$1 limit=$2 n=$3; shift 3
+  run "$name" "$limit" env "$(gpus "$n")" python3 scripts/bench_train_step.py --config "$CONFIG" \
+    --steps "$STEPS" --out "$RUNS/$name.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} \
+    --set mesh.expert="$n" --set mesh.data=1 --set train.batch_size=$((BATCH * n)) \
+    --set parallel.dispatch=pft --set model.moe.capacity_factor=null "$@"
+}
+# shellcheck disable=SC2086
+maxtext_ep() {  # name limit n policy: one process over n devices, ici_expert_parallelism=n
+  local name=$1 limit=$2 n=$3 policy=$4 flags=${XLA_FLAGS:-}
+  # its EP exchange is XLA's ragged all-to-all: on GPUs give it the lowering xmoe_jax's rows get by
+  # default (xmoe_jax/launch/xla_flags.py: the decomposer, 30x XLA's own ragged kernel on 2 H200s)
+  if [ -n "${PEERS_CPU_DEVICES:-}" ]; then
+    flags="$flags --xla_force_host_platform_device_count=$PEERS_CPU_DEVICES"
+  else
+    flags="$flags --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+  fi
+  run "$name" "$limit" env "$(gpus "$n")" XLA_FLAGS="$flags" PYTHONPATH="$PEERS_PATH" "$PY" "$HERE/peers/maxtext_run.py" \
+    --config "$CONFIG" --policy "$policy" --steps "$STEPS" --ep "$n" --out "$RUNS/$name.json" ${PEERS_MAXTEXT_ARGS:-}
+}
+TPY=${PEERS_TITAN_PYTHON:-$PY}
+# shellcheck disable=SC2086
+titan_ep() {  # name limit n ac: torchrun, one process per GPU, expert_parallel_degree=n
+  local name=$1 limit=$2 n=$3 ac=$4
+  run "$name" "$limit" env PYTHONPATH="$PEERS_PATH" "$TPY" -m torch.distributed.run --standalone \
+    --nproc_per_node "$n" "$HERE/peers/titan_run.py" --config "$CONFIG" --ac "$ac" --ep "$n" \
+    --steps "$STEPS" --out "$RUNS/$name.json" ${PEERS_TITAN_ARGS:-}
+}
+
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import jax; print("jax", jax.__version__)'
   python3 -c 'import torch; print("torch", torch.__version__)'
@@ -88,8 +145,16 @@ for row in $ROWS; do
     titan_selective) titan titan_selective 240 selective:op ;;
     titan_full) titan titan_full 240 full ;;
     titan_none16) titan titan_none16 240 none --batch-size 16 ;;
+    xmoe_ep[0-9]*_full) n=${row#xmoe_ep}; xmoe_ep "$row" 240 "${n%_full}" --set model.remat=full ;;
+    xmoe_ep[0-9]*) xmoe_ep "$row" 240 "${row#xmoe_ep}" ;;
+    maxtext_ep[0-9]*_minimal) n=${row#maxtext_ep}; maxtext_ep "$row" 270 "${n%_minimal}" minimal ;;
+    maxtext_ep[0-9]*) maxtext_ep "$row" 270 "${row#maxtext_ep}" full ;;
+    titan_ep[0-9]*_sel) n=${row#titan_ep}; titan_ep "$row" 270 "${n%_sel}" selective:op ;;
+    titan_ep[0-9]*_none) n=${row#titan_ep}; titan_ep "$row" 270 "${n%_none}" none ;;
+    titan_ep[0-9]*) titan_ep "$row" 270 "${row#titan_ep}" full ;;
     *) echo "PEERS_ROWS: unknown row '$row' (use xmoe_none xmoe_full maxtext_full maxtext_minimal" \
-         "titan_selective titan_full titan_none16)" >&2; exit 2 ;;
+         "titan_selective titan_full titan_none16, or on N GPUs xmoe_epN[_full] maxtext_epN[_minimal]" \
+         "titan_epN[_sel|_none], epN)" >&2; exit 2 ;;
   esac
 done
 

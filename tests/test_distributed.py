@@ -254,3 +254,49 @@ def test_plan_module_prints_this_process():
     )
     assert out.returncode == 0, out.stderr
     assert "process    9/16  node node002 (local 1)" in out.stdout
+
+
+def test_shutdown_drops_the_backends_before_leaving_jax_distributed(monkeypatch):
+    """JAX's own exit order (clear the backends, then leave): a GPU client outliving
+    `jax.distributed.shutdown()` polled the stopped coordination service (`WatchTasksAsync failed
+    ... Connection refused` at the end of every multi-process GPU run)."""
+    from jax._src import api, xla_bridge
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    monkeypatch.setattr(api, "clear_backends", lambda *a, **k: calls.append("clear_backends"))
+    monkeypatch.setattr(jax.distributed, "shutdown", lambda: calls.append("jax.distributed.shutdown"))
+    distributed.shutdown()
+    assert calls == ["clear_backends", "jax.distributed.shutdown"]
+
+
+def test_shutdown_is_a_no_op_for_one_process(monkeypatch):
+    from jax._src import api
+
+    monkeypatch.setattr(api, "clear_backends", lambda *a, **k: pytest.fail("cleared one process's backends"))
+    distributed.shutdown()  # jax.distributed is not initialised in this process
+    assert jax.devices()  # the backend is still there
+
+
+def test_local_launch_gives_each_process_the_launch_flags():
+    from xmoe_jax.launch import local
+
+    argv = local.process_argv(["python3", "x.py", "--steps", "3"], 2, 4, 1234, one_device_each=True)
+    assert argv == ["python3", "x.py", "--steps", "3", "--coordinator", "127.0.0.1:1234",
+                    "--num-processes", "4", "--process-id", "2", "--local-device-ids", "2"]  # fmt: skip
+    assert "--local-device-ids" not in local.process_argv(["x"], 0, 2, 1, one_device_each=False)
+
+
+def test_local_compare_says_whether_losses_are_bitwise_equal():
+    from xmoe_jax.launch import local
+
+    single = {"tokens_per_s": 100.0, "losses": [5.5, 5.25, 5.0], "num_processes": 1}
+    same = local.compare_runs(single, {"tokens_per_s": 98.0, "losses": [5.5, 5.25, 5.0], "num_processes": 4})
+    assert same["losses_bitwise_equal"] and same["ratio"] == pytest.approx(0.98)
+    assert same["first_differing_step"] is None and same["max_abs_loss_diff"] == 0
+    off = local.compare_runs(single, {"tokens_per_s": 98.0, "losses": [5.5, 5.25 + 2**-20, 5.0]})
+    assert not off["losses_bitwise_equal"] and off["first_differing_step"] == 2
+    assert not local.compare_runs(single, {"tokens_per_s": 1.0, "losses": [5.5]})["losses_bitwise_equal"]
+    noisy = "I ok\nW pjrt_client.cc] WatchTasksAsync failed for task 1: UNAVAILABLE: Connection refused\n"
+    assert len(local.noise_lines(noisy)) == 1

@@ -83,3 +83,77 @@ def test_table_one_mfu_formula_and_ratios_to_xmoe(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[2].startswith("|---") and lines[3].startswith("| xmoe_jax | none |")  # xmoe first
     assert "48.0 reserved" in proc.stdout
+
+
+def test_table_expert_parallel_rows_per_gpu_against_xmoe_on_as_many_gpus(tmp_path):
+    h100 = "NVIDIA H100 80GB HBM3"
+    gib = 2**30
+    _write(tmp_path, "xmoe_none.json", {
+        "tokens_per_s": 200_000.0, "tokens_per_step": 65536, "device": h100, "overrides": [],
+        "peak_bytes_in_use": 60 * gib, "num_devices": 1,
+    })  # fmt: skip
+    _write(tmp_path, "xmoe_ep4.json", {
+        "tokens_per_s": 640_000.0, "tokens_per_step": 4 * 65536, "device": h100, "num_devices": 4,
+        "overrides": ["mesh.expert=4", "mesh.data=1", "train.batch_size=128"], "peak_bytes_in_use": 50 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "titan_ep4.json", {
+        "system": "torchtitan", "policy": "full", "batch_size": 32, "num_gpus": 4, "ep": 4,
+        "tokens_per_s": 320_000.0, "device": h100, "max_memory_allocated": 30 * gib,
+        "max_memory_reserved": 40 * gib,
+    })  # fmt: skip
+    _write(tmp_path, "maxtext_ep4.json", {
+        "system": "maxtext", "policy": "full", "batch_size": 32, "num_devices": 4, "ep": 4,
+        "tokens_per_s": 480_000.0, "device": h100, "peak_bytes_in_use": 45 * gib,
+    })  # fmt: skip
+    out = tmp_path / "peers.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "peers" / "table.py"), str(tmp_path), "--config", str(CONFIG),
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    rows = {r["file"]: r for r in data["rows"]}
+    for r in rows.values():  # MFU per GPU, one formula
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] / r["gpus"] * data["flops_per_token"] / 989e12)
+    ep = rows["xmoe_ep4.json"]
+    assert (ep["gpus"], ep["ep"], ep["batch"], ep["tokens_per_s_per_gpu"]) == (4, 4, 32, 160_000.0)
+    assert rows["maxtext_ep4.json"]["speed_vs_ep"] == pytest.approx(0.75)
+    assert rows["titan_ep4.json"]["speed_vs_ep"] == pytest.approx(0.5)
+    assert rows["titan_ep4.json"]["mem_vs_ep"] == pytest.approx(40 / 50)  # torch: reserved
+    assert rows["xmoe_none.json"]["speed_vs_none"] == 1.0  # the one-GPU table is unchanged
+    text = proc.stdout
+    assert text.index("| xmoe_jax | none |") < text.index("Expert parallel on 4 GPUs")
+    assert "| maxtext | full | 4 | 4 | 32 | 120,000 |" in text
+
+
+def test_wheel_check_names_a_requirement_the_gpu_machine_lacks(tmp_path):
+    import zipfile
+
+    import wheel_check
+
+    def wheel(folder: Path, name: str, *requires: str) -> None:
+        folder.mkdir(exist_ok=True)
+        meta = "\n".join([f"Name: {name}", *(f"Requires-Dist: {r}" for r in requires)])
+        with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"{name}-1.0.dist-info/METADATA", meta)
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["jax>=0.10", "tensorboardX>=2.6", "grain"]\n')
+    wheel(
+        tmp_path / "whl",
+        "grain",
+        "numpy",
+        "array-record; sys_platform != 'win32'",
+        "dataclasses; python_version < '3.7'",
+    )
+    wheel(tmp_path / "peers", "torchtitan", "datasets>=2.21", "tyro", "pytest; extra == 'dev'")
+    gaps = wheel_check.missing([tmp_path / "whl", tmp_path / "peers"], pyproject)
+    # tensorboardX: in no wheel, not in the image (the bare-machine failure); datasets: stubbed
+    assert gaps == {"xmoe_jax (pyproject.toml)": ["tensorboardx"], "grain": ["array-record"],
+                    "torchtitan": ["tyro"]}  # fmt: skip
+    wheel(tmp_path / "whl", "tensorboardX", "numpy", "protobuf>=3.20")
+    wheel(tmp_path / "whl", "array_record")
+    wheel(tmp_path / "peers", "tyro")
+    assert wheel_check.missing([tmp_path / "whl", tmp_path / "peers"], pyproject) == {}
+    assert wheel_check.main([str(tmp_path / "peers"), "--pyproject", str(pyproject)]) == 1  # no tensorboardX

@@ -10,6 +10,12 @@ Throughput: the mean step time of the last third of the steps (as scripts/bench_
 its last logging window), from MaxText's per-step metrics file. Memory: the device's
 peak_bytes_in_use after the run. --set key=value adds or replaces MaxText keys (the CPU smoke test
 uses it for tiny dimensions).
+
+Expert parallel: --ep N sets `ici_expert_parallelism=N`, MaxText's expert mesh axis, in this one
+process over all its devices (ici_fsdp_parallelism stays -1: the devices left over, 1 when N is
+the device count). The batch is per device (`per_device_batch_size`), so the global batch grows
+with the devices; the routed experts are split N ways and the sparse-matmul path exchanges the
+routed tokens with an all-to-all. CPU check: XLA_FLAGS=--xla_force_host_platform_device_count=4.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per-device batch (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="MaxText key=value")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test: ragged_dot and dot_product attention")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ici_expert_parallelism")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -102,6 +109,7 @@ def main() -> None:
                 "enable_tensorboard=false",
                 "enable_goodput_recording=false",
                 "monitor_goodput=false",
+                f"ici_expert_parallelism={args.ep}",
             ],
             args.overrides,
         )
@@ -125,10 +133,12 @@ def main() -> None:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": dev.device_kind,
         "num_devices": jax.device_count(),
+        "ep": int(final["ici_expert_parallelism"]),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "config": args.config,
         "keys": keys,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "batch_size": batch,
         "tokens_per_step": tokens,
         "steps": args.steps,

@@ -1,8 +1,9 @@
 """CPU smoke-test shim for torchtitan 0.2.2, which assumes CUDA when no accelerator is found: points its
 device type and device module at the CPU (gloo), with memory figures of zero, and lets torch.histc count integer
-indices on the CPU as torchtitan's router asks, and builds the experts' permutation indices without
-Triton. Used only by
-titan_run.py --cpu, never in a GPU measurement."""
+indices on the CPU as torchtitan's router asks, builds the experts' permutation indices without
+Triton, and has FSDP2 reduce gradients with SUM then divide (gloo has neither AVG nor PREMUL_SUM,
+which FSDP2 picks for the expert-parallel run's fp32 gradients). Used only by titan_run.py --cpu,
+never in a GPU measurement."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def _cpu_module() -> types.SimpleNamespace:
 
 def install() -> None:
     torch.histc = _histc_any_dtype(torch.histc)
+    collectives = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    collectives._get_gradient_divide_factors = _sum_then_divide(collectives._get_gradient_divide_factors)
     moe_utils = importlib.import_module("torchtitan.models.moe.utils")  # its Triton index kernel needs a GPU
     moe_utils.generate_permute_indices = functools.partial(moe_utils.generate_permute_indices, use_cpu=True)
     module = _cpu_module()
@@ -49,6 +52,13 @@ def install() -> None:
             mod.device_type = "cpu"
         if hasattr(mod, "device_module"):
             mod.device_module = module
+
+
+def _sum_then_divide(factors):
+    def wrapped(rs_group, ar_group, reduce_dtype, device_type="", factor=None, force_sum=False):
+        return factors(rs_group, ar_group, reduce_dtype, device_type, factor, True)
+
+    return wrapped
 
 
 def _histc_any_dtype(histc):

@@ -7,9 +7,22 @@ The model is torchtitan's Qwen3 with MoE in every layer, registered at run time 
 `xmoe_peer`: no qk-norm, MHA (n_kv_heads = n_heads), gated experts of equal FLOPs (960 for our
 1408), softmax top-k with normalised weights, grouped GEMMs (`torch._grouped_mm`), SDPA attention,
 fp32 parameters under bf16 autocast, AdamW. The data are random tokens (no tokenizer, no dataset):
-the `qwen3` train spec is re-registered with a synthetic loader. One process, one GPU (WORLD_SIZE
-1, no FSDP). --ac: none, full, selective (op-level SAC, the `op` option) or selective:N (every N-th
-block). --no-compile runs eagerly (the CPU smoke test).
+the `qwen3` train spec is re-registered with a synthetic loader. --ac: none, full, selective
+(op-level SAC, the `op` option) or selective:N (every N-th block). --no-compile runs eagerly (the
+CPU smoke test).
+
+One GPU: run it with python (WORLD_SIZE 1, no FSDP). Expert parallel over N GPUs: under torchrun,
+one process per GPU, with --ep N:
+
+    torchrun --standalone --nproc_per_node 4 scripts/peers/titan_run.py --ep 4 --ac selective ...
+
+torchtitan 0.2.2 takes EP from the data-parallel shard dimension (parallel_dims.py: efsdp =
+dp_shard x cp x tp / (ep x etp) must be whole), so `--parallelism.expert_parallel_degree=N` runs
+with `data_parallel_shard_degree` = WORLD_SIZE (its default -1): FSDP2 shards the dense
+parameters over the N ranks (and does the bf16 mixed precision there, not autocast), the routed
+experts are split N ways (ExpertParallel: all-to-all of the routed tokens), and every rank reads
+its own --batch-size sequences (the global batch is N times it). Rank 0 writes the JSON: tokens/s of
+the whole job, its own memory.
 
 Throughput: wall time of the last third of the steps, synchronised at both ends. Memory:
 torch.cuda.max_memory_allocated and max_memory_reserved over the whole run (torchtitan's own
@@ -115,6 +128,7 @@ def job_args(shape: PeerShape, args, dump_folder: str) -> list[str]:
         f"--metrics.log_freq={args.steps}",
         f"--job.dump_folder={dump_folder}",
         "--checkpoint.no-enable",
+        f"--parallelism.expert_parallel_degree={args.ep}",
         f"--activation_checkpoint.mode={ac[0]}",
         "--compile.no-enable" if args.no_compile else "--compile.enable",
         "--compile.components=model,loss",
@@ -141,6 +155,9 @@ def main() -> None:
         "--tiny", action="store_true", help="dims cut to 64 wide, 4 experts, 2 layers (smoke test)"
     )
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (gloo, no memory figures)")
+    p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (under torchrun: must divide WORLD_SIZE)"
+    )
     p.add_argument("--out", default=None)
     p.add_argument("extra", nargs="*", help="more torchtitan --section.key=value arguments (after --)")
     args = p.parse_args()
@@ -153,6 +170,12 @@ def main() -> None:
             shape, hidden=64, num_heads=4, num_kv_heads=4, head_dim=16, num_layers=2, num_experts=4, top_k=2,
             expert_hidden=48, vocab_size=256,
         )  # fmt: skip
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep < 1 or world % args.ep or (args.ep > 1 and shape.num_experts % args.ep):
+        raise SystemExit(
+            f"--ep {args.ep}: must divide the process count ({world}: torchrun --nproc_per_node) "
+            f"and the expert count ({shape.num_experts})"
+        )
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -210,8 +233,10 @@ def main() -> None:
                 torch.distributed.destroy_process_group()
         wall_s = time.perf_counter() - t0
 
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     step_s = (marks[args.steps] - marks[start_step]) / window
-    tokens = batch * seq_len
+    tokens = batch * seq_len * world  # every rank is a data-parallel shard: its own batch
     out = {
         "system": "torchtitan",
         "version": torchtitan.__version__,
@@ -225,7 +250,9 @@ def main() -> None:
         "config": args.config,
         "args": job_args(shape, args, "<tmp>"),
         "gated_expert_hidden": shape.gated_expert_hidden,
-        "batch_size": batch,
+        "batch_size": batch,  # per GPU
+        "num_gpus": world,
+        "ep": args.ep,
         "tokens_per_step": tokens,
         "steps": args.steps,
         "window_steps": window,
