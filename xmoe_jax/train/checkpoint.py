@@ -55,7 +55,7 @@ from xmoe_jax.config import (
 )
 from xmoe_jax.errors import EXIT_BAD_INPUT, EXIT_FAILED, XmoeError
 from xmoe_jax.launch import distributed
-from xmoe_jax.train import integrity, runlock
+from xmoe_jax.train import integrity, writable
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str
 
@@ -338,7 +338,7 @@ class Checkpointer:
         manifest = integrity.build_manifest(step, state, to_dict(config) if config else None, data_digests)
         items["manifest"] = ocp.args.JsonSave(manifest)
         try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
-            runlock.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
+            writable.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
             return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
         except Exception as e:  # the write of this step, or the previous asynchronous one, failed
             raise self._write_error(step, e) from e
