@@ -55,7 +55,9 @@ def main() -> None:
     p.add_argument(
         "--matmul-size", type=int, default=8192, help="n of the n^3 bf16 matmul ceiling (CPU checks: small)"
     )
-    p.add_argument("--log-every", type=int, default=None, help="logging window (default: a third of the steps)")
+    p.add_argument(
+        "--log-every", type=int, default=None, help="logging window (default: a third of the steps)"
+    )
     from xmoe_jax.cli import add_cli_flags, initialize_from_args  # no backend starts on import
 
     add_cli_flags(p)
@@ -136,8 +138,15 @@ def measure(args: argparse.Namespace) -> dict:
         "peak_bytes_in_use": memory.get("peak_bytes_in_use"),
         "exchange": {
             k: last[k]
-            for k in ("wire_bytes", "routed_bytes", "peak_ratio", "buffer_factor", "buffer_changes",
-                      "exchange_rows", "exchange_bound_ratio")
+            for k in (
+                "wire_bytes",
+                "routed_bytes",
+                "peak_ratio",
+                "buffer_factor",
+                "buffer_changes",
+                "exchange_rows",
+                "exchange_bound_ratio",
+            )
             if k in last
         },  # fmt: skip
         "transport": cfg.parallel.transport,

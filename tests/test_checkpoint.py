@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import grain
 import jax
@@ -13,7 +14,9 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from xmoe_jax.config import CheckpointConfig, Config, ModelConfig, MoEConfig, ParallelConfig, to_dict
-from xmoe_jax.train.checkpoint import Checkpointer, CheckpointError, check_compatible
+from xmoe_jax.train import integrity
+from xmoe_jax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
+from xmoe_jax.train.compat import check_compatible
 
 
 def _cfg(**kw) -> CheckpointConfig:
@@ -261,6 +264,39 @@ def test_shape_mismatch_names_path(tmp_path):
     with pytest.raises(CheckpointError, match="no sharding"):
         ck.restore({"params": {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32), "b": sds((8,))}})
     ck.close()
+
+
+def _alter_manifest_leaf(step_dir, path):
+    """Gives leaf `path` another fingerprint in the manifest, its own checksum redone: only a read
+    of that leaf can tell."""
+    meta = step_dir / "manifest" / "metadata"
+    manifest = json.loads(meta.read_text())
+    manifest["leaves"][path]["fingerprint"] = "0" * 16
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    meta.write_text(json.dumps({**body, "sha256": integrity.digest(body)}))
+
+
+def test_partial_restore_reads_and_checks_only_the_named_entries(tmp_path):
+    """The weights without the optimizer (`load_weights`): the target names only `params`; the rest
+    of the saved state is neither read nor checked, what is read is checked leaf by leaf."""
+    state = _state()
+    dev = SingleDeviceSharding(jax.devices()[0])
+    with Checkpointer(tmp_path, _cfg()) as ck:
+        ck.save(1, state)
+        ck.save(2, state)
+    _alter_manifest_leaf(tmp_path / "1", "opt/mu/0")
+    _alter_manifest_leaf(tmp_path / "2", "params/w")
+    target = {"params": _abstract(state, dev)["params"]}
+    with Checkpointer(tmp_path, _cfg()) as ck:
+        restored = ck.restore(target, step=1, partial=True)
+        assert set(restored) == {"params"}
+        _assert_bitwise_equal(restored["params"], state["params"])
+        with pytest.raises(DamagedCheckpointError, match="step 1 .*leaf 'opt/mu/0'"):
+            ck.restore(_abstract(state, dev), step=1)  # a whole restore reads and checks the moments
+        with pytest.raises(DamagedCheckpointError, match="step 2 .*leaf 'params/w'"):
+            ck.restore(target, step=2, partial=True)
+        with pytest.raises(CheckpointError, match="'params/b'.*abstract_state lacks"):
+            ck.restore({"params": {"w": target["params"]["w"]}}, step=1, partial=True)
 
 
 def test_restore_without_checkpoint(tmp_path):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from xmoe_jax.config import CheckpointConfig
-from xmoe_jax.train import integrity
+from xmoe_jax.train import integrity, resume
 from xmoe_jax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 
 
@@ -76,7 +76,7 @@ def test_damaged_newest_step_falls_back_to_the_previous_one(tmp_path, damage, ca
     DAMAGE[damage](tmp_path / "2")
     data = iter(grain.MapDataset.range(100))
     with caplog.at_level(logging.WARNING, "xmoe_jax"):
-        step, state = ck.restore_first_intact(_abstract(), data, ck.resume_candidates())
+        step, state = resume.find(ck).restore_first_intact(ck, _abstract(), data)
     assert step == 1 and int(state["step"]) == 1 and data.get_state() == {"next_index": 1}
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(4096, dtype=np.float32))
     assert f"checkpoint step 2 in {tmp_path}" in caplog.text or f"checkpoint {tmp_path / '2'}" in caplog.text
@@ -89,7 +89,7 @@ def test_nothing_intact_stops_naming_each_step_and_moves_nothing(tmp_path):
     for step in ("1", "2"):
         _flip(_largest(tmp_path / step / "state"))
     with pytest.raises(CheckpointError) as err:
-        ck.restore_first_intact(_abstract(), None, ck.resume_candidates())
+        resume.find(ck).restore_first_intact(ck, _abstract(), None)
     msg = str(err.value)
     assert f"no checkpoint in {tmp_path} restores intact" in msg and "step 2 is damaged" in msg
     assert "step 1 is damaged" in msg and "Nothing was moved or deleted" in msg and "new train.run_dir" in msg
@@ -102,7 +102,7 @@ def test_interrupted_saves_are_moved_aside_and_logged(tmp_path, caplog):
     partial = tmp_path / "2.orbax-checkpoint-tmp"
     (partial / "state").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, "xmoe_jax"):
-        assert ck.resume_candidates() == [1]
+        assert resume.find(ck).steps == [1]
     assert "is an interrupted save that never completed" in caplog.text
     assert (tmp_path / "rejected" / partial.name / "state").is_dir() and not partial.exists()
     ck.close()

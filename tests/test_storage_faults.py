@@ -20,7 +20,7 @@ import pytest
 from tests import clirun
 from xmoe_jax.cli import _drop_closed_loop_callbacks, _one_line_orbax_errors
 from xmoe_jax.config import CheckpointConfig
-from xmoe_jax.train import rundir, runlock
+from xmoe_jax.train import rundir, writable
 from xmoe_jax.train.checkpoint import Checkpointer, CheckpointWriteError
 
 ENOSPC_TEXT = (
@@ -35,7 +35,7 @@ def test_a_save_into_a_folder_that_cannot_take_a_file_fails_at_once_naming_it(tm
     def read_only(directory):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(runlock, "probe_write", read_only)
+    monkeypatch.setattr(writable, "probe_write", read_only)
     with pytest.raises(CheckpointWriteError) as e:
         ckpt.save(1, {"w": jnp.ones(4)})
     msg = str(e.value)

@@ -222,9 +222,12 @@ def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
     from xmoe_jax.train.checkpoint import Checkpointer
     from xmoe_jax.train.state import TrainState
 
-    abstract = tstate.build(cfg, make_mesh(MeshConfig(data=8))).abstract()
+    layout = tstate.build(cfg, make_mesh(MeshConfig(data=8)))
     with Checkpointer(tmp_path / "bias" / "checkpoints", cfg.checkpoint) as ckpt:
-        state = TrainState.from_dict(ckpt.restore(abstract.as_dict()))
+        state = TrainState.from_dict(ckpt.restore(layout.abstract().as_dict()))
+        weights = tstate.restore_weights(ckpt, layout, cfg.model.num_dense_layers, 3)  # no optimizer
+    for got, want in zip(jax.tree.leaves(weights), jax.tree.leaves((state.params, state.bias)), strict=True):
+        assert got.sharding == want.sharding and np.array_equal(np.asarray(got), np.asarray(want))
     biases = list(state.bias["moe_layers"]["moe"]["router"]["bias"])  # one [E] row per MoE layer
     for b in biases:  # three sign steps of 0.05 each: every entry is a multiple of 0.05 within 0.15
         b = np.asarray(b)

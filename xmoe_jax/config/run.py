@@ -10,9 +10,7 @@ from xmoe_jax.config.choices import NanPolicy, StateDType
 from xmoe_jax.config.data import DataConfig, EvalConfig
 from xmoe_jax.config.model import ModelConfig, MoEConfig
 from xmoe_jax.config.parallel import MeshConfig, MeshShape, ParallelConfig
-
-# stop signals are preemption's concern; that module imports JAX only inside a running stop
-from xmoe_jax.train.preemption import stop_signal_names
+from xmoe_jax.config.signals import stop_signal_names
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,15 @@ Each step directory holds four items:
   file per process. Restored only by the same process count: with another count the per-process
   streams differ, so the iterator instead starts at element `step` of this run's own stream (one
   batch per step: as if the run had used this layout from step 1) and a warning is logged.
-* ``config`` -- the run's `Config` as JSON (`to_dict`), used by `check_compatible`: a resume is
-  refused only when the model config makes different parameters.
+* ``config`` -- the run's `Config` as JSON (`to_dict`), used by `compat.check_compatible`: a
+  resume is refused only when the model config makes different parameters.
 * ``manifest`` -- fingerprints of the state's values, checksums of the config and of every
   process's data position (`xmoe_jax.train.integrity`); committed atomically with the rest.
 
-Resuming (`resume_candidates`, then `restore_first_intact`) takes the newest step that reads back
-and matches its manifest. Temporary folders of interrupted saves are moved aside at once; a
-damaged step is moved aside once an older step has restored, and if none restores the run stops
-with a message naming each step's problem, moving nothing. Every process reaches the same
-decision (process 0 decides; the coordination service carries it).
+Which step a run resumes from (the newest that reads back and matches its manifest) is
+`resume.py`'s; this module saves, lists and restores steps. A restore may name part of the
+state (`partial=True`: the weights without the optimizer moments, for the tools); only that part
+is read, and checked against the manifest.
 
 RNG keys: store `jax.random.key_data(key)` (a uint32 array) in the state and rebuild the key with
 `jax.random.wrap_key_data` after restore; typed key arrays are not plain arrays to orbax.
@@ -31,7 +30,6 @@ checkpoint at step 1.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import re
@@ -44,18 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from xmoe_jax.config import (
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    ModelConfig,
-    from_dict,
-    migrate_dict,
-    to_dict,
-)
+from xmoe_jax.config import CheckpointConfig, Config, to_dict
 from xmoe_jax.errors import EXIT_BAD_INPUT, EXIT_FAILED, XmoeError
 from xmoe_jax.launch import distributed
-from xmoe_jax.train import integrity, runlock
+from xmoe_jax.train import integrity, writable
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str
 
@@ -127,67 +117,6 @@ def _is_meta_leaf(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _flatten_dotted(tree: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten_dotted(v, f"{prefix}.{k}"))
-        return out
-    return {prefix: tree}
-
-
-_MISSING = "<absent>"
-
-
-def _param_layout(model: ModelConfig) -> dict[str, tuple]:
-    """Path -> (shape, dtype) of every parameter and router bias the model config makes."""
-    from xmoe_jax.model.functional import model_spec  # the model is only needed on resume
-
-    spec = model_spec(model)
-    trees = {"params": spec.params_shape, "bias": spec.bias_shape}
-    leaves = jax.tree_util.tree_flatten_with_path(trees)[0]
-    return {_path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
-
-
-def check_compatible(saved: dict, config: Config) -> None:
-    """Raises `CheckpointError` if the saved model config makes other parameters than `config.model`.
-
-    Only what changes the parameters (their paths, shapes or dtypes) is refused, with the differing
-    `model.*` keys named. Other model changes (top_k, capacity, losses, dtypes of compute) are
-    allowed and logged; train, optimizer, checkpoint, data, mesh and parallel (dispatch mode,
-    placement) may change freely: a mesh change is resharded on restore. Configs saved before the
-    `parallel` section existed are read with their placement keys moved there.
-    """
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
-        raise CheckpointError(
-            "the saved config has no 'model' section, so it cannot be checked against this run; "
-            "use a checkpoint written by xmoe_jax or a new train.run_dir"
-        )
-    saved = migrate_dict(saved)
-    # A JSON round trip makes the current config comparable with the saved one (tuples -> lists).
-    current = json.loads(json.dumps(to_dict(config.model)))
-    old = _flatten_dotted(saved["model"], "model")
-    new = _flatten_dotted(current, "model")
-    diff = [k for k in sorted(old.keys() | new.keys()) if old.get(k, _MISSING) != new.get(k, _MISSING)]
-    if not diff:
-        return
-    was = ", ".join(f"{k}={old.get(k, _MISSING)}" for k in diff)
-    now = ", ".join(f"{k}={new.get(k, _MISSING)}" for k in diff)
-    try:
-        saved_model = from_dict(saved["model"], ModelConfig)
-    except ConfigError as e:
-        raise CheckpointError(
-            f"the checkpoint's model config cannot be read by this version ({e}); "
-            "use the version that wrote it, or a new train.run_dir"
-        ) from e
-    if _param_layout(saved_model) != _param_layout(config.model):
-        raise CheckpointError(
-            f"checkpoint was written with {was}, this run has {now}: the parameters differ; "
-            "use the same model config or a new train.run_dir"
-        )
-    log.warning("resuming with a changed model config (parameters unchanged): was %s, now %s", was, now)
-
-
 def _advance(data_iter: Any, num: int) -> None:
     """Moves a fresh iterator forward by `num` elements (grain index state if it has one)."""
     state = data_iter.get_state()
@@ -207,9 +136,9 @@ class Checkpointer:
     Steps:
       1. `save(step, state, data_iter, config)` on every step; it writes on multiples of
          `ckpt_cfg.every` (async if `ckpt_cfg.async_save`) and keeps the newest `ckpt_cfg.keep`.
-      2. On resume: `check_compatible(read_config(), config)`, then
+      2. On resume: `compat.check_compatible(read_config(), config)`, then
          `restore(abstract_state, data_iter)` where `abstract_state` holds `jax.ShapeDtypeStruct`s
-         with the *target* sharding.
+         with the *target* sharding (`resume.py` picks the step).
       3. `close()` (or use as a context manager) to wait for pending writes.
     """
 
@@ -224,7 +153,6 @@ class Checkpointer:
             enable_async_checkpointing=ckpt_cfg.async_save,
             create=True,
         )
-        self._damaged: dict[int, str] = {}  # step -> why it cannot be restored (resume)
         self._write_failed = False
         self.data_fingerprint: dict | None = None  # saved in each manifest (data/fingerprint.py)
         self._manager = ocp.CheckpointManager(
@@ -262,7 +190,7 @@ class Checkpointer:
             )
         return step
 
-    def _saved_items(self, step: int) -> dict[str, Any]:
+    def saved_items(self, step: int) -> dict[str, Any]:
         """Item name -> orbax metadata (None for items without metadata) for items present at `step`."""
         try:
             meta = self._manager.item_metadata(step)
@@ -275,14 +203,14 @@ class Checkpointer:
 
     def saved_state_paths(self, step: int) -> list[str]:
         """Leaf paths ("params/embed", ...) of the state saved at `step` (empty without metadata)."""
-        meta = self._saved_items(step).get("state")
+        meta = self.saved_items(step).get("state")
         if meta is None:
             return []
         return list(_leaf_shapes(getattr(meta, "tree", meta), is_leaf=_is_meta_leaf))
 
     def saved_config(self, step: int) -> dict | None:
         """The config dict saved at `step`, None if it was saved without one (config=None)."""
-        if "config" not in self._saved_items(self.resolve_step(step)):
+        if "config" not in self.saved_items(self.resolve_step(step)):
             return None
         restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
         return restored["config"]
@@ -341,7 +269,7 @@ class Checkpointer:
         )
         items["manifest"] = ocp.args.JsonSave(manifest)
         try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
-            runlock.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
+            writable.probe_write(self.directory)  # (whose error would leave the others waiting 300 s)
             return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=force))
         except Exception as e:  # the write of this step, or the previous asynchronous one, failed
             raise self._write_error(step, e) from e
@@ -364,8 +292,9 @@ class Checkpointer:
 
     # -- restore
 
-    def _check_state_layout(self, step: int, state_meta: Any, abstract_state: Any) -> None:
-        """Compares leaf paths and shapes with the saved metadata before orbax touches the data."""
+    def _check_state_layout(self, step: int, state_meta: Any, abstract_state: Any, partial: bool) -> None:
+        """Compares leaf paths and shapes with the saved metadata before orbax touches the data
+        (`partial`: only under the top-level entries `abstract_state` names)."""
         fix = "restore with the model config the checkpoint was written with, or start a new train.run_dir"
         if state_meta is None:
             return  # no metadata on this orbax version: orbax's own checks apply
@@ -381,7 +310,8 @@ class Checkpointer:
                     f"shape mismatch at '{path}': checkpoint step {step} has {saved[path]}, "
                     f"abstract_state has {shape}; {fix}"
                 )
-        extra = [p for p in saved if p not in target]
+        named = {p.split("/", 1)[0] for p in target}
+        extra = [p for p in saved if p not in target and (not partial or p.split("/", 1)[0] in named)]
         if extra:
             raise CheckpointError(
                 f"checkpoint step {step} has leaf '{extra[0]}' (shape {saved[extra[0]]}) that "
@@ -436,7 +366,9 @@ class Checkpointer:
 
         return jax.tree_util.tree_map_with_path(target, abstract_state)
 
-    def restore(self, abstract_state: Any, data_iter: Any = None, step: int | None = None) -> Any:
+    def restore(
+        self, abstract_state: Any, data_iter: Any = None, step: int | None = None, *, partial: bool = False
+    ) -> Any:
         """Restores the state at `step` (latest if None) onto the shardings in `abstract_state`.
 
         `abstract_state` mirrors the saved state with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
@@ -444,14 +376,17 @@ class Checkpointer:
         the saved ones (another mesh, a single device). `data_iter`, if given, is moved in place to the
         saved position. Raises `CheckpointError` if there is no checkpoint or the layout differs, and
         `DamagedCheckpointError` if orbax cannot read the step or it differs from its manifest.
+        `partial`: `abstract_state` (a dict) names some of the saved top-level entries (the weights:
+        "params" and "bias"); only those are read, and checked against the manifest.
         """
         step = self.resolve_step(step)
-        saved = self._saved_items(step)
+        saved = self.saved_items(step)
         if "state" not in saved:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} has no 'state' item")
-        self._check_state_layout(step, saved["state"], abstract_state)
+        self._check_state_layout(step, saved["state"], abstract_state, partial)
         as_saved, casts = self._saved_float_dtypes(saved["state"], abstract_state)
-        items: dict[str, Any] = {"state": ocp.args.StandardRestore(self._restore_targets(as_saved))}
+        targets = self._restore_targets(as_saved)
+        items: dict[str, Any] = {} if partial else {"state": ocp.args.StandardRestore(targets)}
         restart_data = False
         if data_iter is not None:
             if "data" not in saved:
@@ -465,7 +400,10 @@ class Checkpointer:
                 items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         items.update({name: ocp.args.JsonRestore() for name in ("config", "manifest") if name in saved})
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            composite = self._manager.restore(step, args=ocp.args.Composite(**items)) if items else {}
+            restored = {name: composite[name] for name in items}
+            if partial:
+                restored["state"] = self._restore_part(step, targets)
         except Exception as e:  # surface one error type with the step and directory
             raise DamagedCheckpointError(
                 step,
@@ -473,7 +411,7 @@ class Checkpointer:
                 f"cannot be read ({_first_line(e)}): it is damaged, or abstract_state does not match it "
                 "(another model config)",
             ) from e
-        self._verify(step, restored, None if restart_data else data_iter)
+        self._verify(step, restored, None if restart_data else data_iter, partial)
         if restart_data:
             _advance(data_iter, step)
             log.warning(
@@ -499,7 +437,18 @@ class Checkpointer:
             return self._cast_to_targets(restored["state"], casts)
         return restored["state"]
 
-    def _verify(self, step: int, restored: Any, data_iter: Any) -> None:
+    def _restore_part(self, step: int, targets: dict) -> dict:
+        """The entries of the saved state that `targets` names, and nothing else (orbax's partial
+        restore: the optimizer moments are not read when only the weights are asked for)."""
+        args = ocp.args.PyTreeRestore(
+            targets,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(targets),
+            partial_restore=True,
+        )
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(self.directory / str(step) / "state", args=args)
+
+    def _verify(self, step: int, restored: Any, data_iter: Any, partial: bool = False) -> None:
         """Checks what was restored against the step's manifest (`integrity`)."""
         if "manifest" not in restored:
             log.warning(
@@ -508,7 +457,7 @@ class Checkpointer:
             return
         try:  # every process runs the same checks in the same order (the state check is collective)
             body = integrity.check_manifest(restored["manifest"], step)
-            integrity.check_state(body, restored["state"])
+            integrity.check_state(body, restored["state"], partial=partial)
             if "config" in restored:
                 integrity.check_config(body, restored["config"])
             if data_iter is not None:
@@ -516,103 +465,10 @@ class Checkpointer:
         except IntegrityError as e:
             raise DamagedCheckpointError(step, self.directory, f"is damaged: {e}") from e
 
-    # -- resume: the newest intact step
-
-    def _quick_check(self, step: int, manifest_expected: bool) -> None:
-        """What can be checked without the arrays: metadata, manifest, config (raises if damaged)."""
-        saved = self._saved_items(step)
-        if "state" not in saved:
-            raise IntegrityError("it has no state item")
-        if "manifest" not in saved:
-            if manifest_expected:  # an older step has one, so this version wrote this step too
-                raise IntegrityError("its manifest is missing")
-            return  # written before manifests existed: `restore` says it is unverified
-        try:  # read directly: orbax's restore is collective, and only process 0 runs this
-            manifest, config = (
-                json.loads((self.directory / str(step) / name / "metadata").read_text())
-                if name in saved
-                else None
-                for name in ("manifest", "config")
-            )
-        except (OSError, ValueError) as e:
-            raise IntegrityError(f"its manifest or config cannot be read ({_first_line(e)})") from e
-        body = integrity.check_manifest(manifest, step)
-        if config is not None:
-            integrity.check_config(body, config)
-
-    def resume_candidates(self) -> list[int]:
-        """Steps to resume from, newest first: those whose metadata, manifest and config check out.
-
-        Moves the temporary folders of interrupted saves aside first. Steps that fail are logged and
-        kept until an older one restores (`restore_first_intact`). Process 0 decides; every process
-        gets the same list. Raises `CheckpointError` if steps exist but none checks out.
-        """
-        verdict = ""
-        if jax.process_index() == 0:
-            for path in integrity.partial_saves(self.directory):
-                integrity.reject(self.directory, path.name, "is an interrupted save that never completed")
-            good, bad = [], {}
-            steps = self.all_steps()
-            with_manifest = [(self.directory / str(s) / "manifest").is_dir() for s in steps]
-            for i in reversed(range(len(steps))):
-                step = steps[i]
-                try:
-                    self._quick_check(step, manifest_expected=any(with_manifest[:i]))
-                    good.append(step)
-                except (CheckpointError, IntegrityError) as e:
-                    bad[step] = f"is damaged: {e}"
-                    log.warning("checkpoint step %d in %s %s", step, self.directory, bad[step])
-            verdict = json.dumps({"good": good, "bad": bad})
-        shared = json.loads(distributed.share_from_main("resume-candidates", verdict))
-        self._reload_after_main()
-        self._damaged = {int(k): v for k, v in shared["bad"].items()}
-        if not shared["good"] and self._damaged:
-            raise CheckpointError(self._nothing_intact())
-        return shared["good"]
-
-    def restore_first_intact(
-        self, abstract_state: Any, data_iter: Any, candidates: list[int]
-    ) -> tuple[int, Any]:
-        """(step, state) of the first of `candidates` that restores and matches its manifest.
-
-        Once one has, the newer steps that did not are moved aside (process 0), and every process
-        reloads its step list. If none does, raises `CheckpointError` naming each step's problem.
-        """
-        for step in candidates:
-            error, state = "", None
-            try:
-                state = self.restore(abstract_state, data_iter, step)
-            except DamagedCheckpointError as e:
-                error = e.reason
-            errors = distributed.gather_errors("restore", error)
-            if not errors:
-                if jax.process_index() == 0:
-                    for newer in sorted(s for s in self.all_steps() if s > step):
-                        integrity.reject(self.directory, str(newer), self._damaged.get(newer, "damaged"))
-                self._reload_after_main()
-                return step, state
-            reasons = set(errors.values())
-            self._damaged[step] = (
-                reasons.pop()
-                if len(reasons) == 1
-                else "; ".join(f"process {i}: {e}" for i, e in errors.items())
-            )
-            log.warning(
-                "checkpoint step %d in %s %s; trying an older step", step, self.directory, self._damaged[step]
-            )
-        raise CheckpointError(self._nothing_intact())
-
-    def _reload_after_main(self) -> None:
+    def reload_after_main(self) -> None:
+        """Every process re-lists the steps after process 0 has moved folders aside (a barrier)."""
         distributed.gather_errors("checkpoint-reload", "")  # a barrier: process 0 has moved things
         self._manager.reload()
-
-    def _nothing_intact(self) -> str:
-        problems = "; ".join(f"step {s} {why}" for s, why in sorted(self._damaged.items(), reverse=True))
-        return (
-            f"no checkpoint in {self.directory} restores intact ({problems}). Nothing was moved or deleted. "
-            "Put back an intact copy of a step folder, move the damaged step folders out of that directory "
-            "to resume from an older step, or start over in a new train.run_dir"
-        )
 
     def data_process_count(self, step: int) -> int | None:
         """How many processes wrote the data position at `step` (None if unknown)."""

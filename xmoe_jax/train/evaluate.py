@@ -91,7 +91,7 @@ def evaluate_checkpoint(
     (its `eval:` section with `overrides` applied; an `eval.data.*` override replaces the run's
     held-out split) with the run's tokenizer (`provenance.for_tools`). Writes nothing."""
     from xmoe_jax.train import state as tstate
-    from xmoe_jax.train.checkpoint import check_compatible
+    from xmoe_jax.train.compat import check_compatible
     from xmoe_jax.train.rundir import RunDir
 
     run = RunDir(run_dir)

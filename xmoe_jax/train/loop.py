@@ -1,4 +1,5 @@
-"""The training loop: validate, build, (resume,) compile, step, log, checkpoint.
+"""The training loop: validate, build, (resume,) compile, step; logging, evaluation, profiling,
+checkpoints and the stop on a signal are hooks (`hooks.py`) called around each step.
 
 Everything that can be wrong with the input (config, devices, data file, run
 directory, checkpoint) is checked before anything is compiled. A run directory
@@ -7,15 +8,13 @@ or choose a new `train.run_dir`.
 
 Reliability (docs/reliability.md) enters at marked places: the run directory's
 checks and lock, and the metrics trimmed to the resumed step (`rundir`); the resume
-from the newest intact checkpoint (`Checkpointer.resume_candidates` /
-`restore_first_intact`); the stop on a signal after a step every process agrees on
-(`preemption`).
+from the newest intact checkpoint (`resume.py`); the stop on a signal after a step every
+process agrees on (`preemption`, through the stop hook).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 
@@ -23,26 +22,25 @@ import jax
 from jax.experimental import multihost_utils
 
 from xmoe_jax import sharding
-from xmoe_jax.config import Config, ConfigError, to_dict
+from xmoe_jax.config import Config, ConfigError
 from xmoe_jax.data import fingerprint, make_eval_input, make_input, provenance
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.resolve import exchange_devices, resolve_placement
-from xmoe_jax.train import runlock
+from xmoe_jax.train import hooks, runlock
+from xmoe_jax.train import resume as tresume
 from xmoe_jax.train import state as tstate
 from xmoe_jax.train import step as tstep
 from xmoe_jax.train.buffers import AdaptiveStep
-from xmoe_jax.train.checkpoint import Checkpointer, check_compatible
-from xmoe_jax.train.errors import TrainingError
+from xmoe_jax.train.checkpoint import Checkpointer
+from xmoe_jax.train.compat import check_compatible
+from xmoe_jax.train.errors import TrainingError  # noqa: F401  (what train() raises; imported from here)
 from xmoe_jax.train.evaluate import Evaluator
 from xmoe_jax.train.metrics import (
     MetricsLogger,
     Throughput,
-    exchange_stats,
-    expert_stats,
     flops_per_token,
     peak_tflops,
 )
-from xmoe_jax.train.optimizer import lr_schedule
 from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.rundir import RunDir
@@ -59,60 +57,6 @@ class TrainResult:
     evals: list[dict] = dataclasses.field(default_factory=list)  # eval records (eval.every)
     first_step_s: float | None = None  # wall time of the first step, compilation included
     already_finished: bool = False  # resumed at train.steps: nothing ran
-
-
-def _prepare_run_dir(cfg: Config, run: RunDir, resume: bool, ckpt: Checkpointer | None) -> list[int]:
-    """Returns the steps to resume from, newest first ([] = fresh); refuses to overwrite a run."""
-    if resume:  # reliability: only steps whose metadata and manifest check out
-        candidates = ckpt.resume_candidates() if ckpt is not None else []
-        if not candidates:
-            _check_nothing_to_resume(cfg, run)
-            log.info("no checkpoint in %s: starting at step 0", run.checkpoints)
-        return candidates
-    latest = ckpt.latest_step() if ckpt is not None else None
-    if latest is not None:
-        raise ConfigError(
-            f"{run} already holds a run (checkpoint at step {latest}); pass --resume to continue "
-            "it or set train.run_dir to a new directory"
-        )
-    if run.metrics.exists():
-        raise ConfigError(
-            f"{run} already holds metrics.jsonl from another run; set train.run_dir to a new "
-            "directory (or pass --resume to append)"
-        )
-    return []
-
-
-def _check_nothing_to_resume(cfg: Config, run: RunDir) -> None:
-    """`--resume` found no checkpoint: start at step 0, unless that would write over a run that
-    never could be resumed (it saved no checkpoints) or that trained another model."""
-    saved = run.read_start_config()
-    if saved is None:
-        return
-    fix = f"set train.run_dir to a new directory, or remove {run} if you no longer need that run"
-    if not isinstance(saved, dict):
-        return
-    if (saved.get("checkpoint") or {}).get("enabled") is False:
-        raise ConfigError(
-            f"--resume: {run} holds a run that saved no checkpoints (checkpoint.enabled=false), so "
-            f"there is nothing to resume, and starting over would write over it; {fix}"
-        )
-    old = json.loads(json.dumps(saved.get("model") or {}))
-    new = json.loads(json.dumps(to_dict(cfg.model)))
-    diff = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    if diff:
-        was = ", ".join(f"model.{k}={old.get(k)} there, {new.get(k)} here" for k in diff[:3])
-        raise ConfigError(
-            f"--resume: {run} holds a run of another model ({was}) and no checkpoint, so starting "
-            f"over would write over it; {fix}"
-        )
-
-
-def _last_checkpoint(ckpt: Checkpointer | None) -> str:
-    if ckpt is None or not ckpt.cfg.enabled:
-        return "; no checkpoints (checkpoint.enabled=false)"
-    latest = ckpt.latest_step()
-    return f"; last checkpoint: step {latest}" if latest is not None else "; no checkpoint saved yet"
 
 
 def _global_batch(local: dict, shard) -> dict:
@@ -165,8 +109,8 @@ def _start(
 ) -> TrainResult:
     num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt = Checkpointer(run.checkpoints, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
-    candidates = _prepare_run_dir(cfg, run, resume, ckpt)
-    start = candidates[0] if candidates else None
+    candidates = tresume.select(cfg, run, resume, ckpt)
+    start = candidates.newest
     if start is not None:
         check_compatible(ckpt.read_config(start), cfg)
     if start is not None and start == cfg.train.steps:  # a restart loop's last round: nothing to do
@@ -231,9 +175,7 @@ def _run(
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         run.trim_metrics(start or 0)
     step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
-    ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
-    schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
 
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
     peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
@@ -244,110 +186,34 @@ def _run(
     evaluator = Evaluator.for_training(placed, spec, mesh, shardings, eval_data)  # [eval] None: no eval
     profiler = StepProfiler(cfg.train.profile_steps, run.root)  # [profile]
     xla_flags.check_scheduler(cfg.parallel.xla_scheduler, jax.default_backend())  # warns if not in effect
-    losses: dict[int, float] = {}
-    records: list[dict] = []
-    evals: list[dict] = []
-    skipped: list[int] = []
-
-    def check(step: int, metrics: dict) -> None:
-        loss = float(metrics["loss"])
-        losses[step] = loss
-        if not bool(metrics["finite"]):
-            msg = (
-                f"non-finite loss ({loss}), gradient or update at step {step}; this step was not applied. "
-                "Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nan_policy=skip"
-            )
-            if cfg.train.nan_policy == "stop":
-                raise TrainingError(msg + _last_checkpoint(ckpt))
-            skipped.append(step)
-            log.warning("skipped: %s", msg)
-        overflow = int(metrics.get("num_overflow", 0))
-        if overflow:
-            msg = (
-                f"step {step}: {overflow} routed token copies did not fit the receive buffers "
-                f"(parallel.recv_buffer_factor={cfg.parallel.recv_buffer_factor})"
-            )
-            if cfg.model.moe.capacity_factor is None:  # dropless promises no loss: the step was not applied
-                raise TrainingError(
-                    f"{msg}; the step was not applied. Set parallel.adaptive_buffers=true (buffers grow as "
-                    "needed), raise parallel.recv_buffer_factor, or set it to null for the worst case"
-                )
-            log.warning("%s; they were counted as dropped", msg)
+    loop = hooks.Loop(cfg, state, data_iter, ckpt, meter, logger)
+    registered = hooks.standard(cfg, ckpt, stop, evaluator, profiler, step_fn.ladder)  # hooks.py: the table
 
     first = (start or 0) + 1
-    pending: tuple[int, dict] | None = None
     started, first_step_s = time.perf_counter(), None
     log.info("compiling the train step (the first step includes it)...")
     try:
         meter.reset()
-        saving = ckpt is not None and cfg.checkpoint.enabled
         for step in range(first, cfg.train.steps + 1):
-            if saving and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                ckpt.wait()  # reliability: the previous save is on disk before the next is due, so a kill
-                # at any moment loses fewer than 2 * checkpoint.every steps (docs/reliability.md)
             batch = _global_batch(next(data_iter), data_sh)
-            profiler.before_step(step)  # [profile]
-            state, metrics = step_fn(state, batch, step)
-            profiler.after_step(step, metrics)  # [profile]
+            for hook in registered:
+                hook.before_step(loop, step)
+            loop.state, metrics = step_fn(loop.state, batch, step)
             meter.tick()
             if step == first:  # compilation (and the first step) done: say how long it took
                 jax.block_until_ready(metrics["loss"])
                 first_step_s = time.perf_counter() - started
                 log.info("step %d compiled and ran in %.1f s", step, first_step_s)
                 meter.compiled()  # throughput counts from here
-            if pending is not None:  # check the previous step while this one runs
-                check(*pending)
-            pending = (step, metrics)
+            loop.dispatched(step, metrics)  # checks the previous step while this one runs
             logger.progress(step, meter.steps_per_s(), tokens_per_step)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                check(*pending)
-                pending = None
-                record = {
-                    "step": step,
-                    "loss": losses[step],
-                    "ce": float(metrics["ce"]),
-                    "aux_loss": float(metrics["aux_loss"]),
-                    "z_loss": float(metrics["z_loss"]),
-                    "grad_norm": float(metrics["grad_norm"]),
-                    "lr": float(schedule(step - 1)),
-                    **meter.read(),
-                }
-                steps_per_s = record["tokens_per_s"] / tokens_per_step
-                steady = steps_per_s > 0 and not record.get("includes_compile")
-                eta_s = (cfg.train.steps - step) / steps_per_s if steady else None
-                if "mtp_loss" in metrics:
-                    record["mtp_loss"] = float(metrics["mtp_loss"])
-                if "tokens_per_expert" in metrics:
-                    record.update(
-                        expert_stats(
-                            metrics["tokens_per_expert"], metrics["drop_rate"], metrics.get("recv_rows")
-                        )
-                    )
-                if "wire_bytes" in metrics:
-                    record.update(exchange_stats(metrics, ladder))
-                records.append(record)
-                logger.log(record, eta_s)
-            if evaluator is not None and evaluator.due(step, cfg.train.steps):  # [eval]
-                evals.append(evaluator.run(state, step))
-                logger.log(evals[-1])
-                meter.reset()  # eval time is not training throughput
-            final = step == cfg.train.steps
-            if ckpt is not None and cfg.checkpoint.enabled and ckpt.due(step, final):
-                if pending is not None:  # never save a step before it is known to be good
-                    check(*pending)
-                    pending = None
-                with meter.paused():  # saving is not training throughput
-                    ckpt.save(step, state.as_dict(), data_iter, cfg, force=final)
-            if step < cfg.train.steps and stop.stop_now(step):  # reliability: the same step everywhere
-                if pending is not None:
-                    check(*pending)
-                raise stop.stop(
-                    step, ckpt if cfg.checkpoint.enabled else None, state.as_dict(), data_iter, cfg
-                )
-        if pending is not None:
-            check(*pending)
+            for hook in registered:
+                if hook.due(loop, step):
+                    hook.after_step(loop, step, metrics)
+        loop.settle()
     finally:
-        profiler.close()
+        for hook in registered:
+            hook.close(loop)
         logger.close()
         if ckpt is not None:
             try:
@@ -355,10 +221,10 @@ def _run(
             finally:
                 ckpt.close()
     return TrainResult(
-        losses=losses,
+        losses=loop.losses,
         final_step=cfg.train.steps,
-        skipped=skipped,
-        records=records,
-        evals=evals,
+        skipped=loop.skipped,
+        records=loop.records,
+        evals=loop.evals,
         first_step_s=first_step_s,
     )

@@ -30,13 +30,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xmoe_jax.errors import ConfigError
+from xmoe_jax.config.signals import stop_signal_names
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-# JAX is imported where a running stop needs it: the config's validation imports this module
-# for `stop_signal_names`, and loading a config must not start JAX (the CLI sets its flags after).
+# JAX is imported where a running stop needs it: reading `PREEMPTED_EXIT_CODE` (launch scripts,
+# tests) must not start JAX.
 
 log = logging.getLogger("xmoe_jax")
 
@@ -55,20 +55,6 @@ class Preempted(Exception):
         super().__init__(
             f"stopped by {signal_name} after step {step}: {where} (exit status {PREEMPTED_EXIT_CODE})"
         )
-
-
-def stop_signal_names(text: str) -> list[str]:
-    """`train.stop_signals` ("SIGTERM,INT,...", "" = none) as signal names; ConfigError if one is not
-    a signal a process can catch."""
-    names = [n.strip().upper() for n in text.split(",") if n.strip()]
-    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
-    for n in names:
-        if n not in signal.Signals.__members__ or n in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(
-                f"train.stop_signals: {n} is not a signal a process can catch; list names such as "
-                "SIGTERM,SIGINT,SIGUSR1 (or '' for none)"
-            )
-    return names
 
 
 _ignore_after_stop = False

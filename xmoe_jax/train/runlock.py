@@ -33,6 +33,7 @@ from pathlib import Path
 
 from xmoe_jax.config import ConfigError
 from xmoe_jax.launch import distributed
+from xmoe_jax.train import writable
 from xmoe_jax.train.rundir import RunDir
 
 log = logging.getLogger("xmoe_jax")
@@ -44,14 +45,6 @@ STALE_AFTER_S = 300.0
 # ----------------------------------------------------------------------------- checks
 
 
-def probe_write(directory: Path) -> None:
-    """Creates and removes a file in `directory`: the one test a read-only mount cannot pass
-    (`os.access` says yes to root there). Raises the `OSError`."""
-    probe = directory / f".write-test.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
-    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    os.unlink(probe)
-
-
 def check_writable(run_dir: Path, name: str = "train.run_dir") -> None:
     """Creates `run_dir` if needed and proves it writable; a `ConfigError` names what is wrong."""
     fix = "set train.run_dir to a writable directory"
@@ -61,7 +54,7 @@ def check_writable(run_dir: Path, name: str = "train.run_dir") -> None:
             raise ConfigError(f"{where}: {parent} is a file, not a directory; {fix}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe_write(run_dir)
+        writable.probe_write(run_dir)
     except OSError as e:
         if name != "train.run_dir":
             fix = "fix its permissions or mount (a read-only or full file system?), or " + fix

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from xmoe_jax.config import Config
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.train import layout
 from xmoe_jax.train.optimizer import make_optimizer
+
+if TYPE_CHECKING:  # resume.py imports orbax; the planner and the lowering tools build states without it
+    from xmoe_jax.train.resume import Candidates
 
 log = logging.getLogger("xmoe_jax")
 
@@ -119,26 +122,45 @@ def build(cfg: Config, mesh: Mesh) -> StateLayout:
     return StateLayout(spec, optimizer, state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp))
 
 
-def restore(ckpt, state: StateLayout, num_dense_layers: int, steps: int | list[int], data_iter=None):
-    """(step, TrainState) read from `ckpt` (a `Checkpointer`) onto `state`'s shardings.
-
-    `steps` a list (the trainer's resume candidates, newest first): the newest that restores intact,
-    damaged newer ones set aside, the data iterator restored with it. `steps` an int (the tools):
-    exactly that step, nothing moved. A checkpoint with one subtree per layer (written before layer
-    stacks) is read into the stacks."""
-    first = steps[0] if isinstance(steps, list) else steps
-    target = state.abstract().as_dict()
+def _read(ckpt, state: StateLayout, num_dense_layers: int, steps, data_iter, target: dict, partial: bool):
+    """(step, the checkpoint's tree for `target`, whether it was written one subtree per layer)."""
+    first = steps if isinstance(steps, int) else steps.newest
     per_layer = layout.is_per_layer(ckpt.saved_state_paths(first))
     if per_layer:
         target = layout.per_layer_target(target, num_dense_layers)
-    if isinstance(steps, list):
-        step, tree = ckpt.restore_first_intact(target, data_iter, steps)
+    if isinstance(steps, int):
+        step, tree = steps, ckpt.restore(target, data_iter, steps, partial=partial)
     else:
-        step, tree = steps, ckpt.restore(target, data_iter, steps)
+        step, tree = steps.restore_first_intact(ckpt, target, data_iter)
+    if per_layer:
+        log.info(
+            "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore",
+            step,
+        )
+        tree = layout.stack_per_layer(tree, num_dense_layers)
+    return step, tree, per_layer
+
+
+def restore(ckpt, state: StateLayout, num_dense_layers: int, steps: int | Candidates, data_iter=None):
+    """(step, TrainState) read from `ckpt` (a `Checkpointer`) onto `state`'s shardings.
+
+    `steps` the trainer's resume `Candidates` (newest first): the newest that restores intact,
+    damaged newer ones set aside, the data iterator restored with it. `steps` an int (the tools):
+    exactly that step, nothing moved. A checkpoint with one subtree per layer (written before layer
+    stacks) is read into the stacks."""
+    target = state.abstract().as_dict()
+    step, tree, per_layer = _read(ckpt, state, num_dense_layers, steps, data_iter, target, partial=False)
     if not per_layer:
         return step, TrainState.from_dict(tree)
-    log.info(
-        "checkpoint step %d has one subtree per layer (written before layer stacks): stacked on restore", step
-    )
-    stacked = TrainState.from_dict(layout.stack_per_layer(tree, num_dense_layers))
-    return step, jax.device_put(stacked, state.shardings)
+    return step, jax.device_put(TrainState.from_dict(tree), state.shardings)
+
+
+def restore_weights(ckpt, state: StateLayout, num_dense_layers: int, step: int) -> tuple[Any, Any]:
+    """(params, bias) of checkpoint `step` onto `state`'s shardings: the optimizer moments (twice
+    the weights' bytes) are neither read nor allocated (`Checkpointer.restore(partial=True)`)."""
+    abstract = state.abstract()
+    target = {"params": abstract.params, "bias": abstract.bias}
+    _, tree, per_layer = _read(ckpt, state, num_dense_layers, step, None, target, partial=True)
+    if per_layer:
+        tree = jax.device_put(tree, {"params": state.shardings.params, "bias": state.shardings.bias})
+    return tree["params"], tree["bias"]

@@ -22,14 +22,11 @@ from xmoe_jax.train.rundir import RunDir
 
 
 def load_weights(run_dir: str | Path, cfg: Config, step: int, mesh: Mesh) -> tuple[dict, dict]:
-    """(params, bias) of the checkpoint at `step`, placed on `mesh` by cfg's rules.
-
-    The whole train state is restored (orbax restores what the target names; the optimizer
-    moments cost twice the weights' memory for the moment)."""
+    """(params, bias) of the checkpoint at `step`, placed on `mesh` by cfg's rules. Only the weights
+    are read (`tstate.restore_weights`): the optimizer moments would cost twice their memory."""
     layout = tstate.build(cfg, mesh)
     with RunDir(run_dir).checkpointer(cfg) as ckpt:
-        _, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, step)
-    return state.params, state.bias
+        return tstate.restore_weights(ckpt, layout, cfg.model.num_dense_layers, step)
 
 
 def save_initial(cfg: Config, weights: tuple[dict, dict], mesh: Mesh) -> Path:
