@@ -124,9 +124,14 @@ def _fail(err: XmoeError) -> int:
     return err.exit_code
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C ended
+
+
 def _command(main):
     """Every entry point's error handling: an `XmoeError` becomes its one line and exit status
-    (2 bad input, 1 failed while running); anything else is a bug and keeps its traceback."""
+    (2 bad input, 1 failed while running); Ctrl-C (a KeyboardInterrupt that reaches here) one line
+    and 130; anything else is a bug and keeps its traceback. (`xmoe-train` turns SIGINT into an
+    orderly stop while it trains: train.stop_signals.)"""
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
@@ -134,8 +139,18 @@ def _command(main):
             return main(argv)
         except XmoeError as err:
             return _fail(err)
+        except KeyboardInterrupt:
+            print(
+                f"interrupted (Ctrl-C): xmoe-{main.__name__.removesuffix('_main')} stopped", file=sys.stderr
+            )
+            return EXIT_INTERRUPTED
 
     return run
+
+
+def _progress(line: str) -> None:
+    """A long tool's progress line (loading, compiling, writing): stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -440,25 +455,28 @@ def generate_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    from xmoe_jax.generate.sampling import SamplingConfig
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # before anything loads
+    if not args.prompt and not args.prompt_ids:
+        raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
+    ids = [_token_ids(s) for s in args.prompt_ids]
     from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
     from xmoe_jax.data import load_tokenizer, provenance
-    from xmoe_jax.generate import SamplingConfig, generate_from_run
+    from xmoe_jax.generate import generate_from_run
     from xmoe_jax.train.rundir import RunDir
 
     with _value_errors_are_bad_input():
         run = RunDir(args.run_dir)
         cfg = run.input_config(args.step, args.overrides)  # the config of the step it generates with
         tokenizer = load_tokenizer(provenance.for_tools(run.tokenizer, cfg, args.overrides).data.tokenizer)
-        prompts = tokenizer.encode_batch(args.prompt) + [_token_ids(s) for s in args.prompt_ids]
-        if not prompts:
-            raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        prompts = tokenizer.encode_batch(args.prompt) + ids
         outs = generate_from_run(
             args.run_dir, prompts, args.max_tokens, sampling, args.seed, step=args.step, on_mesh=args.mesh,
-            overrides=args.overrides, eos_id=args.eos_id,
+            overrides=args.overrides, eos_id=args.eos_id, report=_progress,
         )  # fmt: skip
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         print(f"=== {i + 1}/{len(prompts)}")
@@ -480,7 +498,11 @@ def convert_main(argv: list[str] | None = None) -> int:
     imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
     exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
     exp.add_argument("--run-dir", required=True)
-    exp.add_argument("--out", required=True, help="the output directory")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="the output folder: new, empty, holding only a tokenizer, or an earlier export (--overwrite)",
+    )
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
     exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
@@ -488,6 +510,16 @@ def convert_main(argv: list[str] | None = None) -> int:
         "--max-shard-size",
         default="5GB",
         help="largest safetensors file, e.g. 5GB, 500MB or 500KB (KB/MB/GB decimal; K/M/G and KiB/... binary)",
+    )
+    exp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in --out (all its weights go; files put there by others stay)",
+    )
+    exp.add_argument(
+        "--replace-tokenizer",
+        action="store_true",
+        help="write the run's tokenizer over one --out already has (default: keep that one)",
     )
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -504,16 +536,39 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     with _value_errors_are_bad_input():
         if args.command == "import":
-            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides)
-            print(f"imported {args.hf_dir} into {cfg.train.run_dir}; continue training with:")
-            print(f"  xmoe-train --config {cfg.train.run_dir}/config.yaml --resume")
+            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides, report=_progress)
+            print(_after_import(args.hf_dir, cfg))
         else:
             files = export_checkpoint(
-                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides,
-                shard_bytes,
+                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides, shard_bytes,
+                overwrite=args.overwrite, replace_tokenizer=args.replace_tokenizer, report=_progress,
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     return 0
+
+
+def _after_import(hf_dir: str, cfg) -> str:
+    """What to do with an imported pretrained model: generate from it, or fine-tune it on real data
+    (left as it is, the run's data is synthetic numbers: training on it would only unlearn)."""
+    run = cfg.train.run_dir
+    text = cfg.data.tokenizer not in ("auto", "bytes")  # the model's own tokenizer came along
+    prompt = '--prompt "Hello"' if text else "--prompt-ids '1 2 3'"
+    lines = [
+        f"imported {hf_dir} into {run}: step 0 holds its weights (a fresh optimizer state). Next:",
+        f"  generate:  xmoe-generate --run-dir {run} {prompt} --max-tokens 32",
+    ]
+    if cfg.data.path is not None or cfg.data.mixture:
+        lines.append(
+            f"  fine-tune: xmoe-train --config {run}/config.yaml --resume   # on data.path={cfg.data.path}"
+        )
+        return "\n".join(lines)
+    tokenizer = cfg.data.tokenizer if text else "TOKENIZER.json"
+    lines += [
+        f"  fine-tune: xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer {tokenizer} --output data/corpus",
+        f"             xmoe-train --config {run}/config.yaml --resume --set data.path=data/corpus",
+        "  (its data is synthetic numbers until data.path is set: training on those only unlearns)",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
