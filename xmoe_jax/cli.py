@@ -532,12 +532,12 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     apply_defaults()
     _quiet_logging()
-    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint
+    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint, next_steps
 
     with _value_errors_are_bad_input():
         if args.command == "import":
             cfg = import_checkpoint(args.hf_dir, args.out, args.overrides, report=_progress)
-            print(_after_import(args.hf_dir, cfg))
+            print(next_steps(args.hf_dir, cfg))
         else:
             files = export_checkpoint(
                 args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides, shard_bytes,
@@ -545,30 +545,6 @@ def convert_main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     return 0
-
-
-def _after_import(hf_dir: str, cfg) -> str:
-    """What to do with an imported pretrained model: generate from it, or fine-tune it on real data
-    (left as it is, the run's data is synthetic numbers: training on it would only unlearn)."""
-    run = cfg.train.run_dir
-    text = cfg.data.tokenizer not in ("auto", "bytes")  # the model's own tokenizer came along
-    prompt = '--prompt "Hello"' if text else "--prompt-ids '1 2 3'"
-    lines = [
-        f"imported {hf_dir} into {run}: step 0 holds its weights (a fresh optimizer state). Next:",
-        f"  generate:  xmoe-generate --run-dir {run} {prompt} --max-tokens 32",
-    ]
-    if cfg.data.path is not None or cfg.data.mixture:
-        lines.append(
-            f"  fine-tune: xmoe-train --config {run}/config.yaml --resume   # on data.path={cfg.data.path}"
-        )
-        return "\n".join(lines)
-    tokenizer = cfg.data.tokenizer if text else "TOKENIZER.json"
-    lines += [
-        f"  fine-tune: xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer {tokenizer} --output data/corpus",
-        f"             xmoe-train --config {run}/config.yaml --resume --set data.path=data/corpus",
-        "  (its data is synthetic numbers until data.path is set: training on those only unlearns)",
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ Export (`export_checkpoint`):
      represent the model, else an error with each adapter's reason);
   2. restore the weights onto the run's mesh (or one given by overrides);
   3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
-     a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`).
+     a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`),
+     all into a temporary sibling of the output folder that replaces it at the end (`export_dir.py`:
+     what an existing folder may hold, what of it survives).
+Both check their paths before anything loads and report their stages through `report`; import
+reads config.json through `config_json.py`, which names the file and the field of a bad value.
 """
 
 from __future__ import annotations
@@ -184,6 +188,29 @@ def import_checkpoint(
             shutil.rmtree(out, ignore_errors=True)
         raise
     return cfg
+
+
+def next_steps(hf_dir: str | Path, cfg: Config) -> str:
+    """What to do with an imported pretrained model: generate from it, or fine-tune it on real data
+    (left as it is, the run's data is synthetic numbers: training on it would only unlearn)."""
+    run = cfg.train.run_dir
+    text = cfg.data.tokenizer not in ("auto", "bytes")  # the model's own tokenizer came along
+    prompt = '--prompt "Hello"' if text else "--prompt-ids '1 2 3'"
+    lines = [
+        f"imported {hf_dir} into {run}: step 0 holds its weights (a fresh optimizer state). Next:",
+        f"  generate:  xmoe-generate --run-dir {run} {prompt} --max-tokens 32",
+    ]
+    if cfg.data.path is not None or cfg.data.mixture:  # given at import: the run trains on it
+        data = f"data.path={cfg.data.path}" if cfg.data.path is not None else "data.mixture"
+        lines.append(f"  fine-tune: xmoe-train --config {run}/config.yaml --resume   # on its {data}")
+        return "\n".join(lines)
+    tokenizer = cfg.data.tokenizer if text else "TOKENIZER.json"
+    lines += [
+        f"  fine-tune: xmoe-tokenize --input 'corpus/*.jsonl' --tokenizer {tokenizer} --output data/corpus",
+        f"             xmoe-train --config {run}/config.yaml --resume --set data.path=data/corpus",
+        "  (its data is synthetic numbers until data.path is set: training on those only unlearns)",
+    ]
+    return "\n".join(lines)
 
 
 def hf_config(cfg: Config, adapter: Adapter, run_dir: str | Path, dtype: str) -> dict:
