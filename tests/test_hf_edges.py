@@ -7,8 +7,13 @@ One tiny run (numpy weights, nothing trained) and its export are shared by the m
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +26,7 @@ from xmoe_jax.hf import safetensors_io as st
 from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint
 from xmoe_jax.hf.export_dir import MARKER
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 FOREIGN_TOKENIZER = '{"model": "a downloaded tokenizer"}'
 
 
@@ -238,3 +244,31 @@ def test_import_names_the_next_commands_for_a_pretrained_model(hf, tmp_path, cap
     assert f"--tokenizer {out}/tokenizer --output data/corpus" in printed.out
     assert "--set data.path=data/corpus" in printed.out and "continue training" not in printed.out
     assert "reading the tensors" in printed.err and "writing step 0" in printed.err
+
+
+@pytest.mark.slow  # a subprocess that imports JAX: ~20 s on a shared CPU
+def test_ctrl_c_while_the_checkpoint_is_read_is_one_line_and_130(run, hf, tmp_path) -> None:
+    """A real SIGINT while orbax restores the weights. Old code: a traceback; with only the
+    KeyboardInterrupt caught, orbax's "step 0 ... cannot be read: it is damaged" (status 2) or a
+    segmentation fault in the interpreter's teardown (status 139)."""
+    out = tmp_path / "out"
+    shutil.copytree(hf, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code = (  # Ctrl-C as in a terminal (a background pytest starts its children with SIGINT ignored)
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from xmoe_jax.cli import convert_main; sys.exit(convert_main())"
+    )
+    argv = [sys.executable, "-c", code, "export", "--run-dir", str(run), "--out", str(out), "--overwrite"]
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, env=environ, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    assert first.startswith("restoring step 0"), first
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    err = first + proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, err
+    assert err.splitlines()[-1] == "interrupted (Ctrl-C): xmoe-convert stopped" and "Traceback" not in err, (
+        err
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not _siblings(out)

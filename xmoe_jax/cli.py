@@ -28,12 +28,15 @@ XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from xmoe_jax.config import ConfigError, load_config
@@ -127,23 +130,65 @@ def _fail(err: XmoeError) -> int:
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C ended
 
 
+def _exit_at_exit(code: int) -> None:
+    """The last step of a process Ctrl-C stopped: flush and leave at once. Interrupted while orbax
+    or tensorstore read a checkpoint, their native threads crash the interpreter's teardown
+    (a segmentation fault, status 139, in about 1 of 3 tries)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c(seen: list[int]):
+    """Appends to `seen` when Ctrl-C arrives; SIGINT still raises KeyboardInterrupt
+    as Python's own handler does. Why: a library that catches it mid-wait may raise it on as
+    another error (orbax, interrupted while restoring a checkpoint, says the step "is damaged"),
+    which must still be reported as the interruption it was. Installed only over Python's default
+    handler on the main thread: a background job's ignored SIGINT stays ignored, and a tool's own
+    handler (xmoe-train's stop signals, installed while it trains) takes precedence."""
+
+    def note(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    install = threading.current_thread() is threading.main_thread()
+    install = install and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, note) if install else None
+    try:
+        yield
+    finally:
+        if install:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _command(main):
     """Every entry point's error handling: an `XmoeError` becomes its one line and exit status
-    (2 bad input, 1 failed while running); Ctrl-C (a KeyboardInterrupt that reaches here) one line
-    and 130; anything else is a bug and keeps its traceback. (`xmoe-train` turns SIGINT into an
-    orderly stop while it trains: train.stop_signals.)"""
+    (2 bad input, 1 failed while running); Ctrl-C one line and 130, whatever error it turned into
+    on the way (`_noting_ctrl_c`); anything else is a bug and keeps its traceback. (`xmoe-train`
+    turns SIGINT into an orderly stop while it trains: train.stop_signals.)"""
+
+    def interrupted(ctrl_c: list[int]) -> int:
+        print(f"interrupted (Ctrl-C): xmoe-{main.__name__.removesuffix('_main')} stopped", file=sys.stderr)
+        if ctrl_c:  # a real SIGINT: leave without the teardown (`_exit_at_exit`)
+            atexit.register(_exit_at_exit, EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
-        try:
-            return main(argv)
-        except XmoeError as err:
-            return _fail(err)
-        except KeyboardInterrupt:
-            print(
-                f"interrupted (Ctrl-C): xmoe-{main.__name__.removesuffix('_main')} stopped", file=sys.stderr
-            )
-            return EXIT_INTERRUPTED
+        ctrl_c: list[int] = []
+        with _noting_ctrl_c(ctrl_c):
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                return interrupted(ctrl_c)
+            except XmoeError as err:
+                return interrupted(ctrl_c) if ctrl_c else _fail(err)
+            except Exception:
+                if ctrl_c:
+                    return interrupted(ctrl_c)
+                raise
 
     return run
 
@@ -329,9 +374,14 @@ def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
 def _drop_closed_loop_callbacks(unraisable) -> None:
     """After a failed checkpoint write orbax closes that save's event loop, and the tensorstore writes
     still in flight call back into it: each raises "Event loop is closed" with its traceback (about
-    100 on a full disk). The failed write is reported in one line; everything else prints as usual."""
+    100 on a full disk). The failed write is reported in one line. A Ctrl-C that landed in a callback
+    Python cannot raise from (JAX's garbage-collection hook) would be lost with a traceback printed:
+    it is sent again, to land where it stops the tool (`_command`). Everything else prints as usual."""
     exc = unraisable.exc_value
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
         return
     sys.__unraisablehook__(unraisable)
 
