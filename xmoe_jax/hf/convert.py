@@ -263,7 +263,7 @@ def export_checkpoint(
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             if target.keep_tokenizer:
                 report(
-                    f"kept the tokenizer {target.out} had ({', '.join(target.keep)}); "
+                    f"kept the tokenizer {target.out} had ({', '.join(target.tokenizer_kept)}); "
                     "--replace-tokenizer writes the run's instead"
                 )
             else:

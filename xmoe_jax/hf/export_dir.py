@@ -50,7 +50,10 @@ class Target:
     out: Path
     keep: tuple[str, ...] = ()  # entries of the existing `out` linked into the new one
     keep_tokenizer: bool = False  # the folder has its own tokenizer: the run's is not written
-    replaces: bool = False  # `out` holds an earlier export that this one replaces
+
+    @property
+    def tokenizer_kept(self) -> list[str]:
+        return [name for name in self.keep if name in TOKENIZER_FILES] if self.keep_tokenizer else []
 
 
 def _is_weights(name: str) -> bool:
@@ -133,7 +136,7 @@ def plan(out_dir: str | Path, overwrite: bool = False, replace_tokenizer: bool =
     keep += [
         n for n in names if n not in TOKENIZER_FILES and not _is_weights(n) and not _ours(out, n, written)
     ]
-    return Target(out, tuple(sorted(keep)), keep_tokenizer, replaces=True)
+    return Target(out, tuple(sorted(keep)), keep_tokenizer)
 
 
 def _record(tmp: Path) -> None:
