@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from reference import rel_err
 
+from xmoe_jax.cli import generate_main
 from xmoe_jax.config import ConfigError, MeshConfig, ParallelConfig, load_config
 from xmoe_jax.generate import SamplingConfig, generate, sample
+from xmoe_jax.generate.sampling import MIN_TEMPERATURE
 from xmoe_jax.model import apply, init_params, model_spec
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.model.kv_cache import init_cache
@@ -124,3 +126,39 @@ def test_bad_requests_are_refused() -> None:
         generate(spec, params, bias, [[spec.cfg.vocab_size]], 2)
     with pytest.raises(ConfigError, match="top-p"):
         SamplingConfig(top_p=0.0)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--temperature", "nan"),  # old code: token 0 at every step, exit 0
+        ("--temperature", "1e-45"),  # the same: logits / 1e-45 overflow to +-inf
+        ("--temperature", "inf"),
+        ("--temperature", "-1"),
+        ("--top-p", "nan"),
+        ("--top-p", "1.5"),
+        ("--top-k", "-1"),
+    ],
+)
+def test_sampling_numbers_are_refused_before_anything_loads(flag, value, tmp_path, capsys) -> None:
+    argv = ["--run-dir", str(tmp_path / "no_run"), "--prompt", "x", flag, value]
+    assert generate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}=") and err.count("\n") == 1, err
+
+
+def test_the_smallest_temperature_still_samples_the_likely_token() -> None:
+    logits = jnp.asarray([[1.0, 3.0, 2.0, -1.0]] * 64)
+    drawn = sample(logits, jax.random.key(0), SamplingConfig(temperature=MIN_TEMPERATURE))
+    assert set(np.asarray(drawn).tolist()) == {1}  # near-greedy, never the overflowed token 0
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingConfig(temperature=MIN_TEMPERATURE / 2)
+
+
+def test_generation_reports_its_stages_and_checks_eos_id() -> None:
+    spec, params, bias = _model()
+    lines: list[str] = []
+    generate(spec, params, bias, PROMPTS, 2, SamplingConfig(temperature=0.0), report=lines.append)
+    assert [line.split(":")[0] for line in lines] == ["compiling generation", "generating"]
+    with pytest.raises(ConfigError, match="--eos-id"):
+        generate(spec, params, bias, PROMPTS, 2, eos_id=spec.cfg.vocab_size)

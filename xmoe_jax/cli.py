@@ -28,13 +28,16 @@ XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import os
 import pathlib
+import signal
 import sys
+import threading
 import traceback
 
 from xmoe_jax.config import ConfigError, load_config
@@ -125,18 +128,75 @@ def _fail(err: XmoeError) -> int:
     return err.exit_code
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C ended
+
+
+def _exit_at_exit(code: int) -> None:
+    """The last step of a process Ctrl-C stopped: flush and leave at once. Interrupted while orbax
+    or tensorstore read a checkpoint, their native threads crash the interpreter's teardown
+    (a segmentation fault, status 139, in about 1 of 3 tries)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c(seen: list[int]):
+    """Appends to `seen` when Ctrl-C arrives; SIGINT still raises KeyboardInterrupt
+    as Python's own handler does. Why: a library that catches it mid-wait may raise it on as
+    another error (orbax, interrupted while restoring a checkpoint, says the step "is damaged"),
+    which must still be reported as the interruption it was. Installed only over Python's default
+    handler on the main thread: a background job's ignored SIGINT stays ignored, and a tool's own
+    handler (xmoe-train's stop signals, installed while it trains) takes precedence."""
+
+    def note(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    install = threading.current_thread() is threading.main_thread()
+    install = install and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, note) if install else None
+    try:
+        yield
+    finally:
+        if install:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _command(main):
     """Every entry point's error handling: an `XmoeError` becomes its one line and exit status
-    (2 bad input, 1 failed while running); anything else is a bug and keeps its traceback."""
+    (2 bad input, 1 failed while running); Ctrl-C one line and 130, whatever error it turned into
+    on the way (`_noting_ctrl_c`); anything else is a bug and keeps its traceback. (`xmoe-train`
+    turns SIGINT into an orderly stop while it trains: train.stop_signals.)"""
+
+    def interrupted(ctrl_c: list[int]) -> int:
+        print(f"interrupted (Ctrl-C): xmoe-{main.__name__.removesuffix('_main')} stopped", file=sys.stderr)
+        if ctrl_c:  # a real SIGINT: leave without the teardown (`_exit_at_exit`)
+            atexit.register(_exit_at_exit, EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
     @functools.wraps(main)
     def run(argv: list[str] | None = None) -> int:
-        try:
-            return main(argv)
-        except XmoeError as err:
-            return _fail(err)
+        ctrl_c: list[int] = []
+        with _noting_ctrl_c(ctrl_c):
+            try:
+                return main(argv)
+            except KeyboardInterrupt:
+                return interrupted(ctrl_c)
+            except XmoeError as err:
+                return interrupted(ctrl_c) if ctrl_c else _fail(err)
+            except Exception:
+                if ctrl_c:
+                    return interrupted(ctrl_c)
+                raise
 
     return run
+
+
+def _progress(line: str) -> None:
+    """A long tool's progress line (loading, compiling, writing): stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -324,9 +384,14 @@ def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
 def _drop_closed_loop_callbacks(unraisable) -> None:
     """After a failed checkpoint write orbax closes that save's event loop, and the tensorstore writes
     still in flight call back into it: each raises "Event loop is closed" with its traceback (about
-    100 on a full disk). The failed write is reported in one line; everything else prints as usual."""
+    100 on a full disk). The failed write is reported in one line. A Ctrl-C that landed in a callback
+    Python cannot raise from (JAX's garbage-collection hook) would be lost with a traceback printed:
+    it is sent again, to land where it stops the tool (`_command`). Everything else prints as usual."""
     exc = unraisable.exc_value
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
         return
     sys.__unraisablehook__(unraisable)
 
@@ -477,25 +542,28 @@ def generate_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    from xmoe_jax.generate.sampling import SamplingConfig
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # before anything loads
+    if not args.prompt and not args.prompt_ids:
+        raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
+    ids = [_token_ids(s) for s in args.prompt_ids]
     from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
     _quiet_logging()
     from xmoe_jax.data import load_tokenizer, provenance
-    from xmoe_jax.generate import SamplingConfig, generate_from_run
+    from xmoe_jax.generate import generate_from_run
     from xmoe_jax.train.rundir import RunDir
 
     with _value_errors_are_bad_input():
         run = RunDir(args.run_dir)
         cfg = run.input_config(args.step, args.overrides)  # the config of the step it generates with
         tokenizer = load_tokenizer(provenance.for_tools(run.tokenizer, cfg, args.overrides).data.tokenizer)
-        prompts = tokenizer.encode_batch(args.prompt) + [_token_ids(s) for s in args.prompt_ids]
-        if not prompts:
-            raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        prompts = tokenizer.encode_batch(args.prompt) + ids
         outs = generate_from_run(
             args.run_dir, prompts, args.max_tokens, sampling, args.seed, step=args.step, on_mesh=args.mesh,
-            overrides=args.overrides, eos_id=args.eos_id,
+            overrides=args.overrides, eos_id=args.eos_id, report=_progress,
         )  # fmt: skip
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         print(f"=== {i + 1}/{len(prompts)}")
@@ -517,7 +585,11 @@ def convert_main(argv: list[str] | None = None) -> int:
     imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
     exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
     exp.add_argument("--run-dir", required=True)
-    exp.add_argument("--out", required=True, help="the output directory")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="the output folder: new, empty, holding only a tokenizer, or an earlier export (--overwrite)",
+    )
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
     exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
@@ -525,6 +597,16 @@ def convert_main(argv: list[str] | None = None) -> int:
         "--max-shard-size",
         default="5GB",
         help="largest safetensors file, e.g. 5GB, 500MB or 500KB (KB/MB/GB decimal; K/M/G and KiB/... binary)",
+    )
+    exp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in --out (all its weights go; files put there by others stay)",
+    )
+    exp.add_argument(
+        "--replace-tokenizer",
+        action="store_true",
+        help="write the run's tokenizer over one --out already has (default: keep that one)",
     )
     for q in (imp, exp):
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -537,17 +619,16 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     apply_defaults()
     _quiet_logging()
-    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint
+    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint, next_steps
 
     with _value_errors_are_bad_input():
         if args.command == "import":
-            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides)
-            print(f"imported {args.hf_dir} into {cfg.train.run_dir}; continue training with:")
-            print(f"  xmoe-train --config {cfg.train.run_dir}/config.yaml --resume")
+            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides, report=_progress)
+            print(next_steps(args.hf_dir, cfg))
         else:
             files = export_checkpoint(
-                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides,
-                shard_bytes,
+                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides, shard_bytes,
+                overwrite=args.overwrite, replace_tokenizer=args.replace_tokenizer, report=_progress,
             )  # fmt: skip
             print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     return 0

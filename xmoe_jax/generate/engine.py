@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +90,10 @@ def generate(
     mesh: Mesh | None = None,
     eos_id: int | None = None,
     pad_id: int = 0,
+    report: Callable[[str], None] | None = None,
 ) -> list[list[int]]:
-    """New token ids per prompt (steps 1-4 of the module docstring); `mesh`: where params live."""
+    """New token ids per prompt (steps 1-4 of the module docstring); `mesh`: where params live;
+    `report` gets a line before compiling and before generating."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -104,6 +106,10 @@ def generate(
     vocab = spec.cfg.vocab_size
     if any(not 0 <= t < vocab for p in prompts for t in p):
         raise ConfigError(f"a prompt token is outside the model's vocabulary (0..{vocab - 1})")
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise ConfigError(
+            f"--eos-id={eos_id} is outside the model's vocabulary (0..{vocab - 1}); no token could end a row"
+        )
     multiple = _rows_multiple(mesh)
     num_rows = -(-len(prompts) // multiple) * multiple
     rows = [list(p) for p in prompts] + [[pad_id]] * (num_rows - len(prompts))
@@ -112,8 +118,13 @@ def generate(
     for b, row in enumerate(rows):
         tokens_BP[b, first_B[b] :] = row
     run = _compiled(spec.cfg, spec.parallel, max_new_tokens, sampling, mesh)
+    report = report or (lambda line: None)
+    args = (params, bias, tokens_BP, first_B, jax.random.key(seed))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        out_BN = np.asarray(run(params, bias, tokens_BP, first_B, jax.random.key(seed)))
+        report(f"compiling generation: {num_rows} row(s), {prompt_len} prompt + {max_new_tokens} new tokens")
+        compiled = run.lower(*args).compile()  # cached: the same shapes compile once per process
+        report("generating")
+        out_BN = np.asarray(compiled(*args))
     results = []
     for row in out_BN[: len(prompts)].tolist():
         if eos_id is not None and eos_id in row:
@@ -133,6 +144,7 @@ def generate_from_run(
     on_mesh: bool = False,
     overrides: list[str] | None = None,
     eos_id: int | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> list[list[int]]:
     """`generate` with the weights of a run's checkpoint (`step`, latest if None): on one device
     with dense dispatch (`resolve.ONE_DEVICE`), or (`on_mesh`) on the run's mesh with its placement; dotted
@@ -144,7 +156,11 @@ def generate_from_run(
     devices = jax.devices() if on_mesh else jax.devices()[:1]
     mesh = sharding.make_mesh(cfg.mesh, devices)
     cfg = resolve_placement(cfg, exchange_devices(mesh))
+    if report is not None:
+        report(f"loading step {step} of {run_dir} onto {mesh.size} device(s)")
     with jax.set_mesh(mesh):
         params, bias = load_weights(run_dir, cfg, step, mesh)
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
-    return generate(spec, params, bias, prompts, max_new_tokens, sampling, seed, mesh=mesh, eos_id=eos_id)
+    return generate(
+        spec, params, bias, prompts, max_new_tokens, sampling, seed, mesh=mesh, eos_id=eos_id, report=report
+    )

@@ -11,12 +11,17 @@ Shapes: B rows, V vocab. Steps, in float32:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from xmoe_jax.config import ConfigError
+
+# logits / temperature in float32: 1e-3 scales logits of up to ~1e35 without overflow (1e-45, a
+# denormal, turned every logit into +-inf and every draw into token 0)
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -26,11 +31,15 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = all tokens
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k={self.top_k} must be >= 0 (0 = no top-k cut)")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t)):
+            raise ConfigError(
+                f"--temperature={t} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (below it the "
+                "scaled logits overflow float32); use 0 for the most likely token"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"--top-k={self.top_k} must be a whole number >= 0 (0 = no top-k cut)")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"--top-p={self.top_p} must be in (0, 1] (1 = no nucleus cut)")
 
 

@@ -5,7 +5,9 @@
 
 One module per family (mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py, deepseek.py: V2 and V3; torchtitan's
 "state-dict adapter" pattern), each an `Adapter` (adapter.py): config.json <-> ModelConfig and
-a tensor table (mapping.py). A new family is a new module and one line in `ADAPTERS`. Nothing
+a tensor table (mapping.py). A new family is a new module and one line in `ADAPTERS`. Around them:
+convert.py (import and export), config_json.py (config.json checked field by field), export_dir.py
+(the output folder: staged, never mixed), tokenizer.py (the run's tokenizer in an export). Nothing
 here imports torch or transformers: tensors go through `safetensors`' numpy API
 (safetensors_io.py). Written for and tested against transformers 5.23.
 """

@@ -137,6 +137,7 @@ def check_keys(reader: Reader, rules: list[Rule], shapes: dict, offsets: dict, i
             f"{reader.directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); "
             "the checkpoint does not match its config.json"
         )
+    _check_shapes(reader, need, shapes)
     used = need.keys() | {_fused_key(r, k) for k, r in need.items()}
     extra = sorted(k for k in have - used if not k.endswith(tuple(ignored)))
     if extra:
@@ -144,6 +145,36 @@ def check_keys(reader: Reader, rules: list[Rule], shapes: dict, offsets: dict, i
             f"{reader.directory}: tensor {extra[0]!r} ({len(extra)} in all) has no place in the converted "
             "model (a feature xmoe_jax does not implement); refusing rather than dropping it"
         )
+
+
+def _hf_shape(transform: str, unit_shape: tuple) -> tuple[int, ...]:
+    """The HF tensor's shape for one unit (what `_from_unit` writes): [out, in] for a Linear."""
+    if transform.startswith("linear"):
+        num_in = int(transform[len("linear") :])
+        return (math.prod(unit_shape[num_in:]), math.prod(unit_shape[:num_in]))
+    return (math.prod(unit_shape),) if transform == FLAT else tuple(unit_shape)
+
+
+def _check_shapes(reader: Reader, need: dict[str, Rule], shapes: dict) -> None:
+    """Every tensor has the shape config.json's model needs (a fused one: [E, out, in], gate and up
+    stacked on out); else the file, the tensor and both shapes (reshaping would garble or fail)."""
+    seen: set[str] = set()
+    for key, rule in need.items():
+        leaf_shape = tuple(shapes[rule.ours].shape)
+        want = _hf_shape(rule.transform, leaf_shape[rule.num_stacked :])
+        if key not in reader:
+            key = _fused_key(rule, key)
+            want = (leaf_shape[1], want[0] * (1 if rule.fused.half is None else 2), want[1])
+        if key in seen:
+            continue
+        seen.add(key)
+        got = reader.shape(key)
+        if (math.prod(got) != math.prod(want)) if rule.transform == FLAT else (got != want):
+            raise ConversionError(
+                f"{reader.file_of(key)}: tensor {key!r} has shape {list(got)} where the model of its "
+                f"config.json needs {list(want)}; the weights do not match their config.json (download "
+                "both from the same release)"
+            )
 
 
 def _read_unit(

@@ -12,7 +12,7 @@ bfloat16 tensors are numpy arrays of `ml_dtypes.bfloat16` (a jax dependency).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -42,21 +42,29 @@ class Reader:
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = _indexed_files(index)
         else:
             files = sorted(p.name for p in self.directory.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {self.directory}")
+            raise ConfigError(
+                f"{self.directory} has no *.safetensors files beside its config.json; download the weights "
+                "too (only safetensors are read: convert .bin / .pt files with transformers first)"
+            )
         self._where: dict[str, object] = {}
         self._file: dict[str, Path] = {}
         for name in files:
             path = self.directory / name
+            if not path.is_file():
+                raise ConfigError(f"{path} is missing (named by {index.name}); download it again")
             try:
                 handle = safe_open(str(path), framework="np")
             except Exception as e:  # SafetensorError (a truncated or garbled header), OSError
                 raise _unreadable(path, e) from None
             for key in handle.keys():
                 self._where[key], self._file[key] = handle, path
+
+    def file_of(self, key: str) -> Path:
+        return self._file[key]
 
     def keys(self) -> set[str]:
         return set(self._where)
@@ -76,6 +84,21 @@ class Reader:
             raise _unreadable(self._file[key], e, key) from None
 
 
+def _indexed_files(index: Path) -> list[str]:
+    """The shard names `model.safetensors.index.json` maps tensors to (a damaged index named)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON, missing map, wrong kinds
+        reason = "no 'weight_map'" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ConfigError(
+            f"{index} cannot be read ({reason}); the index is damaged: download it again"
+        ) from None
+    if not all(isinstance(f, str) and f and "/" not in f for f in files):
+        raise ConfigError(f"{index}: 'weight_map' must map each tensor to a file name beside it")
+    return files
+
+
 def _to_file(tensors: dict[str, np.ndarray], path: Path) -> None:
     from safetensors.numpy import save_file
 
@@ -86,10 +109,11 @@ def write_sharded(
     tensors: Iterable[tuple[str, np.ndarray]],
     directory: str | Path,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    report: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Writes (name, array) pairs into `model.safetensors`, or into numbered shards of at most
     `max_shard_bytes` (a larger tensor gets a shard of its own) plus the index; returns file names.
-    Only one shard's tensors are held in memory at a time."""
+    Only one shard's tensors are held in memory at a time; `report` gets a line per file."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, str]] = []  # per shard: tensor name -> temporary file name
@@ -102,6 +126,8 @@ def write_sharded(
             tmp = f"shard-{len(shards):05d}.tmp"
             _to_file(pending, directory / tmp)
             shards.append(dict.fromkeys(pending, tmp))
+            if report is not None:
+                report(f"wrote file {len(shards)}: {len(pending)} tensors, {size / 1e6:,.1f} MB")
             pending, size = {}, 0
 
     for name, array in tensors:
