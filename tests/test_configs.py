@@ -152,7 +152,8 @@ def test_placement_keys_moved_to_parallel_name_the_new_key(old: str, new: str) -
     with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} moved to {new}"):
         load_config(TINY, [old])
     key, value = old.split("=")
-    cfg = load_config(TINY, [f"{new}={value}"])
+    applies = ["parallel.dispatch=pft", "mesh.expert=2", "mesh.tensor=2"]  # where each switch applies
+    cfg = load_config(TINY, [*applies, f"{new}={value}"])
     assert str(getattr(cfg.parallel, new.split(".")[1])).lower() == value
 
 
@@ -176,6 +177,7 @@ def test_old_checkpoint_config_dicts_migrate() -> None:
     old["model"]["moe"]["dispatch"] = "rbd"
     old["model"]["moe"]["recv_buffer_factor"] = 1.5
     old["model"]["sequence_parallel"] = True
+    old["mesh"].update(expert=2, tensor=2)  # where those switches apply (config/applies.py)
     del old["parallel"]
     cfg = from_dict(migrate_dict(old))
     assert (cfg.parallel.dispatch, cfg.parallel.recv_buffer_factor, cfg.parallel.sequence_parallel) == (
