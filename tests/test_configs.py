@@ -139,6 +139,15 @@ def test_mesh_fill_resolves_data_axis() -> None:
         cfg.validate_for_devices(3)
 
 
+def test_mesh_too_big_for_the_devices_names_sizes_that_fit() -> None:
+    """Issue 31: `--set mesh.expert=8` on one CPU device said what was wrong, not what to set."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["mesh.expert=8"]).validate_for_devices(1)
+    assert "set mesh.expert=1" in str(e.value) and "device_count=8" in str(e.value)
+    with pytest.raises(ConfigError, match=r"set mesh\.expert=2 mesh\.tensor=1,"):
+        load_config(TINY, ["mesh.expert=4", "mesh.tensor=2"]).validate_for_devices(2)
+
+
 @pytest.mark.parametrize(
     "old, new",
     [
