@@ -35,6 +35,7 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.errors import XmoeError
@@ -238,6 +239,18 @@ def params_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_out_file(path: Path, flag: str) -> None:
+    """An output file's path: its folder exists (a folder, not a file) and it is not a folder itself."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; name a file in it, e.g. {path / 'plan.json'}")
+    parent = path.parent
+    for above in (parent, *parent.parents):
+        if above.exists() and not above.is_dir():
+            raise ConfigError(f"{flag} {path}: {above} is a file, not a folder; name a file in a folder")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent})")
+
+
 @_command
 def plan_main(argv: list[str] | None = None) -> int:
     p = _parser(
@@ -261,6 +274,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.devices < 1:
         raise ConfigError(f"--devices={args.devices} must be >= 1")
+    if args.out:  # before minutes of compiling, not after
+        _check_out_file(Path(args.out), "--out")
     from xmoe_jax.units import parse_bytes
 
     memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
@@ -284,7 +299,9 @@ def plan_main(argv: list[str] | None = None) -> int:
                 f"({'set by XLA_FLAGS already' if not args.real_devices else 'this host'}); "
                 "plan for the devices there are, or run in a fresh process"
             )
-        result = plan(cfg, memory)
+        result = plan(
+            cfg, memory, progress=lambda line: print(f"xmoe-plan: {line}", file=sys.stderr, flush=True)
+        )
     print(result.table())
     if args.breakdown:  # the state's bytes per parameter are in the table already
         from xmoe_jax.perf.breakdown import activation_breakdown
@@ -293,8 +310,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         print("\n".join(acts.table()))
         result.notes.append("activations kept, bytes by category: " + json.dumps(acts.per_category))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result.as_dict(), f, indent=1)
+        try:
+            with open(args.out, "w") as f:
+                json.dump(result.as_dict(), f, indent=1)
+        except OSError as e:  # checked before compiling; a permission or a full disk shows here
+            raise ConfigError(
+                f"--out {args.out} is not writable ({e.strerror or e}); name a writable file"
+            ) from e
     return 0
 
 
