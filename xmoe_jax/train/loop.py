@@ -42,7 +42,7 @@ from xmoe_jax.train.metrics import (
     flops_per_token,
     peak_tflops,
 )
-from xmoe_jax.train.optimizer import lr_schedule
+from xmoe_jax.train.optimizer import lr_on_host
 from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.rundir import RunDir
@@ -213,7 +213,7 @@ def _run(
     step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
     ladder = step_fn.ladder
     data_sh = tstep.batch_sharding(mesh, cfg)
-    schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
+    lr_at = lr_on_host(cfg.optimizer, cfg.train.steps)  # no JAX op: nothing to compile while logging
 
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
     peak = peak_tflops(jax.devices()[0].device_kind, cfg.train.peak_tflops)
@@ -289,7 +289,7 @@ def _run(
                     "aux_loss": float(metrics["aux_loss"]),
                     "z_loss": float(metrics["z_loss"]),
                     "grad_norm": float(metrics["grad_norm"]),
-                    "lr": float(schedule(step - 1)),
+                    "lr": lr_at(step - 1),
                     **meter.read(),
                 }
                 steps_per_s = record["tokens_per_s"] / tokens_per_step
