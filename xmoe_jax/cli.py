@@ -166,6 +166,13 @@ def train_main(argv: list[str] | None = None) -> int:
         help="as --resume, but a train.run_dir that does not exist starts a new run there: for the "
         "first submission of a job that resumes itself (requeues, restart loops)",
     )
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR|off",
+        default=None,
+        help="JAX's persistent compilation cache: a second start reads the compiled step from here "
+        "(env XMOE_COMPILE_CACHE; default ~/.cache/xmoe_jax/jax; off: none)",
+    )
     add_cli_flags(p)
     args = p.parse_args(argv)
     _quiet_logging()
@@ -177,7 +184,10 @@ def train_main(argv: list[str] | None = None) -> int:
     apply_defaults(scheduler=cfg.parallel.xla_scheduler)  # before anything starts JAX's backend
     launch = initialize_from_args(args)  # before any other JAX use
     distributed.quiet_unless_main(launch)
-    from xmoe_jax.launch import peers
+    from xmoe_jax.launch import compile_cache, peers
+
+    cache = compile_cache.enable(args.compile_cache)  # before the first compile
+    logging.getLogger("xmoe_jax").info("compilation cache: %s", cache or "off (--compile-cache)")
     from xmoe_jax.train import preemption
     from xmoe_jax.train.loop import train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
