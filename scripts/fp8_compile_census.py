@@ -26,7 +26,9 @@ from collections import Counter
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-_DOT = re.compile(r"stablehlo\.dot_general %\S+, %\S+,.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)")
+_DOT = re.compile(
+    r"stablehlo\.dot_general %\S+, %\S+,.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)"
+)
 _F8_CONVERT = re.compile(r"stablehlo\.convert %\S+ : \(tensor<[^>]*>\) -> tensor<[^>]*f8E\w+>")
 _REDUCE = re.compile(r"stablehlo\.reduce\(")
 _TRITON = re.compile(r'stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)".*?: \(([^)]*)\)')
@@ -58,7 +60,9 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--platform", default="cuda")
     p.add_argument(
-        "--hopper", action="store_true", help="trace for an H100 (sm_90): the kernels an H100 picks, FP8 ones included"
+        "--hopper",
+        action="store_true",
+        help="trace for an H100 (sm_90): the kernels an H100 picks, FP8 ones included",
     )
     args = p.parse_args()
     from xmoe_jax.config import load_config
