@@ -15,11 +15,11 @@ The README's "The MoE core" shows the part between the `README` marks as it stan
 
 from __future__ import annotations
 
+# README begin
 import os
 
-# 8 fake CPU devices, before JAX starts (a GPU host uses its own devices)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# README begin
+# 8 fake CPU devices, set before JAX starts (a fresh Python; a GPU host needs 8 GPUs of its own)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax  # noqa: E402
 
 from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig  # noqa: E402

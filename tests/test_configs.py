@@ -139,6 +139,15 @@ def test_mesh_fill_resolves_data_axis() -> None:
         cfg.validate_for_devices(3)
 
 
+def test_mesh_too_big_for_the_devices_names_sizes_that_fit() -> None:
+    """Issue 31: `--set mesh.expert=8` on one CPU device said what was wrong, not what to set."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["mesh.expert=8"]).validate_for_devices(1)
+    assert "set mesh.expert=1" in str(e.value) and "device_count=8" in str(e.value)
+    with pytest.raises(ConfigError, match=r"set mesh\.expert=2 mesh\.tensor=1,"):
+        load_config(TINY, ["mesh.expert=4", "mesh.tensor=2"]).validate_for_devices(2)
+
+
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -152,7 +161,8 @@ def test_placement_keys_moved_to_parallel_name_the_new_key(old: str, new: str) -
     with pytest.raises(ConfigError, match=rf"{old.split('=')[0]} moved to {new}"):
         load_config(TINY, [old])
     key, value = old.split("=")
-    cfg = load_config(TINY, [f"{new}={value}"])
+    applies = ["parallel.dispatch=pft", "mesh.expert=2", "mesh.tensor=2"]  # where each switch applies
+    cfg = load_config(TINY, [*applies, f"{new}={value}"])
     assert str(getattr(cfg.parallel, new.split(".")[1])).lower() == value
 
 
@@ -176,6 +186,7 @@ def test_old_checkpoint_config_dicts_migrate() -> None:
     old["model"]["moe"]["dispatch"] = "rbd"
     old["model"]["moe"]["recv_buffer_factor"] = 1.5
     old["model"]["sequence_parallel"] = True
+    old["mesh"].update(expert=2, tensor=2)  # where those switches apply (config/applies.py)
     del old["parallel"]
     cfg = from_dict(migrate_dict(old))
     assert (cfg.parallel.dispatch, cfg.parallel.recv_buffer_factor, cfg.parallel.sequence_parallel) == (

@@ -34,6 +34,25 @@ def test_readme_moe_core_block_is_the_example() -> None:
     assert _readme_block("The MoE core", "python") == shown
 
 
+def test_readme_moe_core_block_sets_its_devices_before_jax_starts() -> None:
+    """Issue 31: the 8-fake-device line sat above the README mark, so the block pasted alone on a CPU
+    crashed at MeshConfig(expert=8) (one device)."""
+    block = _readme_block("The MoE core", "python")
+    assert block.index("xla_force_host_platform_device_count=8") < block.index("import jax")
+
+
+@pytest.mark.slow  # ~20 s: one pft compile on 8 fake devices
+def test_readme_moe_core_block_runs_pasted_alone() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a plain shell: no fake devices
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    code = _readme_block("The MoE core", "python") + "print(float(abs(y_pft_TD - y_TD).max()))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) < 1e-5, out.stdout
+
+
 @pytest.mark.slow  # ~30 s; the README block's identity with the file stays in the default run
 def test_moe_layer_example_runs_and_shows_the_capacity_semantics() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}

@@ -389,14 +389,17 @@ def test_kmajor_weights_and_fast_accum_match_the_reference(monkeypatch):
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+PFT = "parallel.dispatch=pft"  # the routed experts' FP8 GEMMs need a grouped-GEMM dispatch
+
+
 def test_fast_accum_is_a_config_choice():
     from xmoe_jax.config import load_config
     from xmoe_jax.fp8 import context
 
-    cfg = load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise, fast_accum: true}"])
+    cfg = load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise, fast_accum: true}", PFT])
     with context.use(cfg.model.fp8):
         assert context.recipe_for("experts").imprecise_acc == 1 << 30
-    with context.use(load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise}"]).model.fp8):
+    with context.use(load_config("configs/tiny.yaml", ["model.fp8={recipe: rowwise}", PFT]).model.fp8):
         assert context.recipe_for("experts").imprecise_acc == 128
 
 

@@ -283,3 +283,20 @@ def test_bfloat16_moments_train_like_float32(tmp_path):
     assert f32[-50:].mean() < 0.5 * f32[:50].mean()  # it trained
     window_f32, window_bf16 = f32.reshape(-1, 50).mean(1), bf16.reshape(-1, 50).mean(1)
     np.testing.assert_allclose(window_bf16, window_f32, rtol=CURVE_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"warmup_steps": 0}, {"warmup_steps": 5, "decay_steps": 12, "min_lr_ratio": 0.0}]
+)
+def test_logged_lr_is_the_schedule_without_compiling_anything(kw, caplog):
+    """Issue 31: the log's `lr` called the optax schedule outside jit, about 12 small compiles in the
+    first logged window (its tokens/s came out 2-4x low); `lr_on_host` is the same numbers in Python."""
+    from xmoe_jax.train.optimizer import lr_on_host, lr_schedule
+
+    cfg, total = OptimizerConfig(**kw), 20
+    on_host, traced = lr_on_host(cfg, total), lr_schedule(cfg, total)
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        got = [on_host(step) for step in range(total + 3)]  # past the end: held at min_lr_ratio * lr
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()]
+    assert all(type(v) is float for v in got)
+    np.testing.assert_allclose(got, [float(traced(step)) for step in range(total + 3)], rtol=2e-6, atol=1e-12)

@@ -63,8 +63,24 @@ def test_cli_plans_for_fake_devices(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "4 devices (fake CPU devices" in done.stdout and "fits" in done.stdout
+    # progress on stderr while it works (issue 31: silent for up to 141 s), the table alone on stdout
+    assert "xmoe-plan: compiling the train step for 4 devices" in done.stderr and "compiled in" in done.stderr
+    assert "xmoe-plan:" not in done.stdout
     data = json.loads(out.read_text())
     assert data["devices"] == 4 and data["mesh"]["expert_per_node"] == 4
+
+
+@pytest.mark.parametrize("where", ["file_as_folder", "missing_folder", "folder"])
+def test_cli_refuses_an_out_path_it_cannot_write_before_compiling(tmp_path, capsys, where):
+    """Issue 31: `--out` under a file or a missing folder gave a traceback after the whole compile."""
+    from xmoe_jax.cli import plan_main
+
+    (tmp_path / "a_file").write_text("x")
+    out = {"file_as_folder": tmp_path / "a_file" / "plan.json", "missing_folder": tmp_path / "no" / "plan.json",
+           "folder": tmp_path}[where]  # fmt: skip
+    assert plan_main(["--config", str(TINY), "--devices", "4", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --out") and "\n" not in err and str(out) in err, err
 
 
 def test_plan_compiles_the_step_the_trainer_runs_first():

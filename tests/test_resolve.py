@@ -25,7 +25,8 @@ def _cfg(*overrides):
 def test_auto_transport_becomes_concrete_for_the_backend():
     assert resolve_placement(_cfg(), 1).parallel.transport == "emulated"  # CPU
     assert resolve_placement(_cfg(), 1, backend="gpu").parallel.transport == "bucketed"
-    assert resolve_placement(_cfg("parallel.transport=ragged"), 1).parallel.transport == "ragged"
+    ragged = _cfg("parallel.dispatch=pft", "mesh.expert=2", "parallel.transport=ragged")
+    assert resolve_placement(ragged, 2).parallel.transport == "ragged"
 
 
 def test_adaptive_dropless_exchange_starts_on_the_first_rung():
@@ -33,7 +34,7 @@ def test_adaptive_dropless_exchange_starts_on_the_first_rung():
     assert pft.parallel.recv_buffer_factor is None
     assert resolve_placement(pft, 8).parallel.recv_buffer_factor == 1.25
     assert resolve_placement(pft, 1).parallel.recv_buffer_factor is None  # no exchange: no ladder
-    fixed = _cfg("parallel.dispatch=pft", "parallel.adaptive_buffers=false")
+    fixed = _cfg("parallel.dispatch=pft", "mesh.expert=8", "parallel.adaptive_buffers=false")
     assert resolve_placement(fixed, 8).parallel.recv_buffer_factor is None
     assert resolve_placement(_cfg("parallel.dispatch=dense"), 8).parallel.recv_buffer_factor is None
 
@@ -90,7 +91,17 @@ def test_one_device_is_a_named_placement():
     cfg = _cfg(*one_device_overrides(), "parallel.dispatch=pft")  # the user's overrides come after
     assert (cfg.mesh.data, cfg.mesh.expert, cfg.mesh.tensor, cfg.mesh.expert_nodes) == (1, 1, 1, 1)
     assert not cfg.mesh.fsdp and cfg.parallel.dispatch == "pft"
-    assert len(ONE_DEVICE) == 9
+    assert {f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)} < set(ONE_DEVICE)
+
+
+def test_one_device_takes_a_run_whose_switches_need_its_mesh():
+    """A pft run with ragged transport, tensor switches and FP8 dispatch: none of those can apply on
+    one device with dense dispatch (config/applies.py refuses them), so ONE_DEVICE resets them all."""
+    run = ["mesh.expert=4", "mesh.tensor=2", "parallel.dispatch=pft", "parallel.transport=ragged",
+           "parallel.ssmb=true", "parallel.recv_buffer_factor=1.5", "model.fp8={dispatch: true}"]  # fmt: skip
+    assert _cfg(*run).parallel.ssmb
+    cfg = _cfg(*run, *one_device_overrides())
+    assert cfg.parallel == ParallelConfig() and cfg.model.fp8 is None and cfg.mesh.tensor == 1
 
 
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHERS))

@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.errors import XmoeError
@@ -232,6 +233,13 @@ def train_main(argv: list[str] | None = None) -> int:
         help="with --resume: accept data other than the checkpoint's (re-tokenized, edited, another "
         "corpus); the model and optimizer resume, the data starts at its position 0",
     )
+    p.add_argument(
+        "--compile-cache",
+        metavar="DIR|off",
+        default=None,
+        help="JAX's persistent compilation cache: a second start reads the compiled step from here "
+        "(env XMOE_COMPILE_CACHE; default ~/.cache/xmoe_jax/jax; off: none)",
+    )
     add_cli_flags(p)
     args = p.parse_args(argv)
     if args.new_data and not (args.resume or args.resume_or_start):
@@ -246,7 +254,10 @@ def train_main(argv: list[str] | None = None) -> int:
     apply_defaults(scheduler=cfg.parallel.xla_scheduler, transport=cfg.parallel.transport)
     launch = initialize_from_args(args)  # before any other JAX use
     distributed.quiet_unless_main(launch)
-    from xmoe_jax.launch import peers
+    from xmoe_jax.launch import compile_cache, peers
+
+    cache = compile_cache.enable(args.compile_cache)  # before the first compile
+    logging.getLogger("xmoe_jax").info("compilation cache: %s", cache or "off (--compile-cache)")
     from xmoe_jax.train import preemption
     from xmoe_jax.train.loop import train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted
@@ -308,6 +319,18 @@ def params_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_out_file(path: Path, flag: str) -> None:
+    """An output file's path: its folder exists (a folder, not a file) and it is not a folder itself."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; name a file in it, e.g. {path / 'plan.json'}")
+    parent = path.parent
+    for above in (parent, *parent.parents):
+        if above.exists() and not above.is_dir():
+            raise ConfigError(f"{flag} {path}: {above} is a file, not a folder; name a file in a folder")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent})")
+
+
 @_command
 def plan_main(argv: list[str] | None = None) -> int:
     p = _parser(
@@ -331,6 +354,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.devices < 1:
         raise ConfigError(f"--devices={args.devices} must be >= 1")
+    if args.out:  # before minutes of compiling, not after
+        _check_out_file(Path(args.out), "--out")
     from xmoe_jax.units import parse_bytes
 
     memory = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
@@ -354,7 +379,9 @@ def plan_main(argv: list[str] | None = None) -> int:
                 f"({'set by XLA_FLAGS already' if not args.real_devices else 'this host'}); "
                 "plan for the devices there are, or run in a fresh process"
             )
-        result = plan(cfg, memory)
+        result = plan(
+            cfg, memory, progress=lambda line: print(f"xmoe-plan: {line}", file=sys.stderr, flush=True)
+        )
     print(result.table())
     if args.breakdown:  # the state's bytes per parameter are in the table already
         from xmoe_jax.perf.breakdown import activation_breakdown
@@ -363,8 +390,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         print("\n".join(acts.table()))
         result.notes.append("activations kept, bytes by category: " + json.dumps(acts.per_category))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result.as_dict(), f, indent=1)
+        try:
+            with open(args.out, "w") as f:
+                json.dump(result.as_dict(), f, indent=1)
+        except OSError as e:  # checked before compiling; a permission or a full disk shows here
+            raise ConfigError(
+                f"--out {args.out} is not writable ({e.strerror or e}); name a writable file"
+            ) from e
     return 0
 
 

@@ -26,9 +26,12 @@ the GPU compile is measured in benchmarks/scale.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 import time
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -179,8 +182,34 @@ def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, lis
     return placed, notes
 
 
-def plan(cfg: Config, device_memory: int | None = None) -> Plan:
-    """Compile cfg's train step for the devices JAX has and read back its memory."""
+@contextlib.contextmanager
+def ticking(progress: Callable[[str], None] | None, what: str, every_s: float = 15.0) -> Iterator[None]:
+    """`progress(what...)` now and `progress(still what (N s))` every `every_s` seconds until the block
+    ends: a compile of a large config takes minutes, and a silent tool looks hung."""
+    if progress is None:
+        yield
+        return
+    progress(f"{what}...")
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            progress(f"still {what} ({time.perf_counter() - t0:.0f} s)")
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def plan(
+    cfg: Config, device_memory: int | None = None, progress: Callable[[str], None] | None = None
+) -> Plan:
+    """Compile cfg's train step for the devices JAX has and read back its memory; `progress` (a
+    line printer, or None) hears each stage and, while the compile runs, a line every 15 s."""
     from xmoe_jax.train import state as tstate
     from xmoe_jax.train.step import batch_sharding, make_train_step
 
@@ -188,15 +217,22 @@ def plan(cfg: Config, device_memory: int | None = None) -> Plan:
     shape = cfg.validate_for_devices(devices)
     cfg, notes = as_trained(cfg, shape, jax.devices()[0].platform == "cpu")
     mesh = sharding.make_mesh(cfg.mesh)  # adaptive buffers: as_trained planned the rung training starts on
-    layout = tstate.build(cfg, mesh)
-    spec, optimizer, shardings, state = layout.spec, layout.optimizer, layout.shardings, layout.abstract()
+    with ticking(progress, "building the train state's shapes and shardings"):
+        layout = tstate.build(cfg, mesh)
+        spec, optimizer, shardings, state = layout.spec, layout.optimizer, layout.shardings, layout.abstract()
     data_sh = batch_sharding(mesh, cfg)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), np.int32, sharding=data_sh)
     step = make_train_step(spec, optimizer, cfg, mesh, shardings)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
+    m = shape
+    what = (
+        f"compiling the train step for {devices} devices (data={m.data} expert={m.expert} tensor={m.tensor})"
+    )
+    with ticking(progress, what), jax.set_mesh(mesh):
         compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
     compile_s = time.perf_counter() - t0
+    if progress is not None:
+        progress(f"compiled in {compile_s:.0f} s")
     mem = compiled.memory_analysis()
     dev = jax.devices()[0]
     backend = (

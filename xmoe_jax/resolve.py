@@ -14,7 +14,9 @@ Code outside moe/ asks the dispatcher table whether a mode exchanges tokens
 (`moe.dispatchers.exchanges_tokens`) instead of comparing dispatch names.
 
 `ONE_DEVICE` names the placement that runs a model on one device, whatever mesh it trained on
-(generation's default): a 1x1x1 mesh, no FSDP, dense dispatch, no expert sharding tricks.
+(generation's default): a 1x1x1 mesh, no FSDP, dense dispatch, every other placement switch at its
+default (a run's pft/rbd or tensor switches cannot apply there and are refused: config/applies.py),
+and no FP8 (its expert and dispatch parts need pft; parameters are the same with FP8 on or off).
 """
 
 from __future__ import annotations
@@ -36,17 +38,15 @@ ONE_DEVICE: dict[str, object] = {
     "mesh.tensor": 1,
     "mesh.expert_nodes": 1,
     "mesh.fsdp": False,
-    "parallel.dispatch": "dense",
-    "parallel.auto_shard": False,
-    "parallel.expert_tensor_parallel": False,
-    "parallel.route_groups_by_node": False,
+    **{f"parallel.{f.name}": f.default for f in dataclasses.fields(ParallelConfig)},  # dispatch: dense
+    "model.fp8": None,
 }
 
 
 def one_device_overrides() -> list[str]:
     """`ONE_DEVICE` as dotted overrides (`--set` syntax), to go before the user's own."""
     return [
-        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        f"{key}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
         for key, value in ONE_DEVICE.items()
     ]
 

@@ -37,3 +37,6 @@ FP8Format = Literal["e4m3", "e5m2"]
 
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
+# the dispatch modes whose routed rows cross devices (moe/dispatchers.py's `exchanges_tokens`; config
+# imports no JAX, so the names are here and tests/test_resolve.py checks them against the table)
+EXCHANGE_DISPATCH = ("pft", "rbd")

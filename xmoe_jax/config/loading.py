@@ -11,6 +11,7 @@ import typing
 from typing import Any, Literal
 
 from xmoe_jax.config import yaml_io
+from xmoe_jax.config.applies import check_switches
 from xmoe_jax.config.checks import _resolve_type
 from xmoe_jax.config.run import Config
 from xmoe_jax.errors import ConfigError
@@ -93,8 +94,14 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 
 
 def from_dict(data: dict, cls: type = Config) -> Any:
-    """Builds a (nested) config dataclass from plain data, validating keys and types."""
-    return _build(cls, data or {})
+    """Builds a (nested) config dataclass from plain data, validating keys and types. A whole
+    `Config` is a run as written (YAML, `--set`, a run's config.yaml), so its switches must also
+    apply (config/applies.py); `resolve.resolve_placement` later fills in facts such as a concrete
+    transport, which `dataclasses.replace` does not check again."""
+    cfg = _build(cls, data or {})
+    if isinstance(cfg, Config):
+        check_switches(cfg)
+    return cfg
 
 
 def migrate_dict(data: dict) -> dict:

@@ -3,6 +3,7 @@ overlap). A checkpoint resumes under any of these settings."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,13 +159,13 @@ class MeshConfig:
         _check_numbers(self, "mesh.")
 
     def resolve(self, num_devices: int) -> MeshShape:
-        """Axis sizes for `num_devices`; errors if they cannot multiply to it."""
+        """Axis sizes for `num_devices`; errors if they cannot multiply to it, naming sizes that fit."""
         fixed = self.expert * self.tensor
         if self.data == -1:
             _check(
                 num_devices % fixed == 0,
                 f"mesh.expert * mesh.tensor = {fixed} does not divide the {num_devices} devices; "
-                "choose sizes whose product divides the device count",
+                f"{self._fit(num_devices)}",
             )
             data = num_devices // fixed
         else:
@@ -172,6 +173,22 @@ class MeshConfig:
             _check(
                 data * fixed == num_devices,
                 f"mesh size data*expert*tensor = {data}*{self.expert}*{self.tensor} = {data * fixed} "
-                f"!= {num_devices} devices; set mesh.data=-1 or sizes whose product is {num_devices}",
+                f"!= {num_devices} devices; set mesh.data=-1 (fill) or sizes whose product is {num_devices}"
+                + ("" if num_devices % fixed == 0 else f": {self._fit(num_devices)}"),
             )
         return MeshShape(data, self.expert_nodes, self.expert // self.expert_nodes, self.tensor)
+
+    def _fit(self, num_devices: int) -> str:
+        """The fix for expert x tensor axes too big for `num_devices`: the largest divisors that fit
+        (on one device: mesh.expert=1), or the device count to run on (faked on a CPU)."""
+        expert = math.gcd(self.expert, num_devices)
+        tensor = math.gcd(self.tensor, num_devices // expert)
+        sets = [f"mesh.expert={expert}"] if expert != self.expert else []
+        sets += [f"mesh.tensor={tensor}"] if tensor != self.tensor else []
+        if self.expert_nodes > 1 and expert % self.expert_nodes:
+            sets.append(f"mesh.expert_nodes={math.gcd(self.expert_nodes, expert)}")
+        need = self.expert * self.tensor
+        return (
+            f"set {' '.join(sets)}, or run on a multiple of {need} devices (a CPU fakes "
+            f"them: XLA_FLAGS=--xla_force_host_platform_device_count={need})"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xmoe_jax.config.applies import check_mesh_switches
 from xmoe_jax.config.checks import _check, _check_choices, _check_numbers
 from xmoe_jax.config.choices import NanPolicy, StateDType
 from xmoe_jax.config.data import DataConfig, EvalConfig
@@ -172,6 +173,7 @@ class Config:
             self.train.batch_size % num_processes == 0,
             f"train.batch_size={self.train.batch_size} is not divisible by {num_processes} processes",
         )
+        check_mesh_switches(self, shape.data)
         return shape
 
 

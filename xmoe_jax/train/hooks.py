@@ -27,7 +27,7 @@ from xmoe_jax.train.checkpoint import Checkpointer
 from xmoe_jax.train.errors import TrainingError
 from xmoe_jax.train.evaluate import Evaluator
 from xmoe_jax.train.metrics import MetricsLogger, Throughput, exchange_stats, expert_stats
-from xmoe_jax.train.optimizer import lr_schedule
+from xmoe_jax.train.optimizer import lr_on_host
 from xmoe_jax.train.preemption import StopSignals
 from xmoe_jax.train.profile import StepProfiler
 from xmoe_jax.train.state import TrainState
@@ -146,7 +146,7 @@ class LogHook(Hook):
 
     def __init__(self, cfg: Config, ladder: Any):
         self.every, self.ladder = cfg.train.log_every, ladder
-        self.schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
+        self.lr_at = lr_on_host(cfg.optimizer, cfg.train.steps)  # no JAX op: nothing to compile while logging
         self.tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
 
     def due(self, loop: Loop, step: int) -> bool:
@@ -161,7 +161,7 @@ class LogHook(Hook):
             "aux_loss": float(metrics["aux_loss"]),
             "z_loss": float(metrics["z_loss"]),
             "grad_norm": float(metrics["grad_norm"]),
-            "lr": float(self.schedule(step - 1)),
+            "lr": self.lr_at(step - 1),
             **loop.meter.read(),
         }
         steps_per_s = record["tokens_per_s"] / self.tokens_per_step

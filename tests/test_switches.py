@@ -1,0 +1,95 @@
+"""Switches that cannot apply are refused when the config is built (config/applies.py, issue 31
+item 4): each message names the field and the fix. Config-only: no JAX step is compiled here."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.config.choices import EXCHANGE_DISPATCH
+from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
+
+TINY = (
+    pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+)  # dense dispatch, 1 expert device
+EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
+
+
+@pytest.mark.parametrize(
+    "overrides, field, fix",
+    [
+        # the issue's case: experts-only / dispatch-only FP8 under dense dispatch ran nothing in FP8
+        (["model.fp8={projections: false}"], "model.fp8.experts=true", "parallel.dispatch=pft"),
+        (["model.fp8={recipe: rowwise}"], "model.fp8.experts=true", "model.fp8.experts=false"),
+        (["model.fp8={projections: false, experts: false, dispatch: true}"], "model.fp8.dispatch=true",
+         "model.fp8.dispatch=false"),
+        (["parallel.dispatch=pft", "model.fp8={experts: false, dispatch: true}"], "model.fp8.dispatch=true",
+         "mesh.expert > 1"),  # one expert device: nothing crosses the wire
+        (["parallel.dispatch=rbd", "mesh.expert=2", "mesh.expert_nodes=2", "model.fp8={dispatch: true}"],
+         "model.fp8.dispatch=true", "model.fp8.dispatch=false"),  # rbd: one device per node
+        (["model.moe=null", "model.num_dense_layers=3", "model.fp8={experts: true}"], "model.fp8.experts=true",
+         "model.fp8.experts=false"),
+        (["parallel.transport=ragged"], "parallel.transport='ragged'", "parallel.transport=auto"),
+        (["parallel.dispatch=pft", "parallel.transport=bucketed"], "parallel.transport='bucketed'", "mesh.expert > 1"),
+        (["parallel.recv_buffer_factor=1.5"], "parallel.recv_buffer_factor=1.5", "recv_buffer_factor=null"),
+        (["parallel.adaptive_buffers=false"], "parallel.adaptive_buffers=false", "remove it"),
+        ([*EXCHANGE, "model.moe.capacity_factor=1.25", "parallel.adaptive_buffers=false"],
+         "parallel.adaptive_buffers=false", "capacity_factor"),
+        (["parallel.buffer_shrink_after=50"], "parallel.buffer_shrink_after=50", "remove it"),
+        (["parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
+        (["parallel.dispatch=pft", "parallel.auto_shard=true", "parallel.overlap_chunks=2"],
+         "parallel.overlap_chunks=2", "auto_shard=false"),
+        (["parallel.ssmb=true"], "parallel.ssmb=true", "mesh.tensor > 1"),
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true", "parallel.sequence_parallel=false"),
+        (["parallel.expert_tensor_parallel=true"], "parallel.expert_tensor_parallel=true", "mesh.tensor > 1"),
+        ([*EXCHANGE, "model.moe.score_func=sigmoid", "model.moe.num_groups=1", "parallel.route_groups_by_node=true"],
+         "parallel.route_groups_by_node=true", "parallel.dispatch=rbd"),
+        (["model.moe.num_shared_experts=0", "model.moe.shared_expert_gate=true"],
+         "model.moe.shared_expert_gate=true", "model.moe.num_shared_experts >= 1"),
+        (["model.moe.num_shared_experts=0", "model.moe.shared_expert_hidden=32"],
+         "model.moe.shared_expert_hidden=32", "shared_expert_hidden=null"),
+        (["model.moe.bias_update_rate=0.01"], "model.moe.bias_update_rate=0.01", "score_func=sigmoid"),
+        (["model.unroll_layers=true", "model.scan_unroll=2"], "model.scan_unroll=2", "model.scan_unroll=1"),
+        (["train.steps=5", "train.profile_steps=[6, 8]"], "train.profile_steps=[6, 8]", "train.profile_steps=[1, 3]"),
+    ],
+)  # fmt: skip
+def test_a_switch_that_cannot_apply_is_refused_with_its_fix(overrides, field, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    msg = str(e.value)
+    assert field in msg and fix in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.fp8={projections: true, experts: false}"],  # dense MLPs and attention in FP8
+        ["parallel.dispatch=pft", "model.fp8={recipe: rowwise}"],  # grouped GEMMs on one device too
+        [*EXCHANGE, "model.fp8={dispatch: true}", "parallel.transport=ragged", "parallel.recv_buffer_factor=1.5"],
+        [*EXCHANGE, "parallel.adaptive_buffers=false", "parallel.buffer_shrink_after=10", "parallel.overlap_chunks=2"],
+        ["parallel.dispatch=rbd", "mesh.expert=4", "mesh.expert_nodes=2", "model.fp8={dispatch: true}"],
+        ["mesh.tensor=2", "parallel.ssmb=true", "parallel.sequence_parallel=true"],
+        ["model.moe.score_func=sigmoid", "model.moe.bias_update_rate=0.01"],
+        ["train.steps=5", "train.profile_steps=[5, 9]"],
+    ],
+)  # fmt: skip
+def test_switches_that_apply_are_accepted(overrides):
+    load_config(TINY, overrides)
+
+
+def test_fsdp_over_one_data_device_is_refused_with_the_device_count():
+    cfg = load_config(TINY, ["mesh.fsdp=true"])
+    assert cfg.validate_for_devices(8).data == 8
+    with pytest.raises(ConfigError, match=r"mesh\.fsdp=true .* resolves to 1 device.*mesh\.fsdp=false"):
+        cfg.validate_for_devices(1)
+
+
+def test_the_exchange_modes_are_the_dispatcher_tables():
+    assert set(EXCHANGE_DISPATCH) == {d for d in DISPATCHERS if exchanges_tokens(d)}
+
+
+def test_every_shipped_config_passes():
+    for path in sorted(TINY.parent.glob("*.yaml")):
+        load_config(path)
