@@ -13,7 +13,7 @@ count from `Config.validate_for_devices`. The list after the table says why the 
 | model.fp8.projections                    | model/layers.py, moe/experts.dense_mlp | MLA with no dense layer and no shared expert |
 | parallel.transport (not auto)            | moe/exchange.py, moe/layouts.py      | no exchange                                  |
 | parallel.recv_buffer_factor (set)        | moe/pft.py recv_rows, train/buffers  | no exchange                                  |
-| parallel.adaptive_buffers=false, buffer_shrink_after | train/buffers.applies    | no exchange, or capacity_factor set (drops)  |
+| parallel.adaptive_buffers=false, buffer_shrink_after | moe/ladder.applies       | no exchange, or capacity_factor set (drops)  |
 | parallel.overlap_chunks > 1              | moe/dispatchers._in_chunks           | not pft/rbd inside shard_map (auto_shard)    |
 | parallel.overlap                         | moe/overlap.py                       | (ParallelConfig: not pft/rbd)                |
 | parallel.ssmb, sequence_parallel, expert_tensor_parallel | sharding rules       | mesh.tensor == 1; ssmb/etp without MoE       |
@@ -127,7 +127,7 @@ def _parallel(cfg: Config) -> None:
             f"remove it (true is the default)",
         )
         _check(
-            par.buffer_shrink_after == 200,
+            par.buffer_shrink_after == type(par)().buffer_shrink_after,  # the default
             f"{p}buffer_shrink_after={par.buffer_shrink_after} paces the dropless pft/rbd buffer ladder, "
             f"but this run {why}; remove it",
         )
