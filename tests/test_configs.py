@@ -228,3 +228,12 @@ def test_cli_refuses_an_infinite_learning_rate_before_compiling(capsys) -> None:
     assert train_main(["--config", str(TINY), "--set", "optimizer.lr=inf"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "optimizer.lr=inf must be a finite number" in err[0]
+
+
+def test_removed_offload_policy_is_refused_with_its_reason():
+    """offload_experts trained a different model on an H100 (benchmarks/memory.md): a config naming it
+    stops with the reason and the policy to use instead, not a bare 'not one of'."""
+    from xmoe_jax.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=r"offload_experts was removed.*save_exchange"):
+        ModelConfig(remat="offload_experts")

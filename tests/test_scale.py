@@ -134,7 +134,6 @@ def test_model_with_pallas_attention_on_a_mesh_equals_xla():
                 ("rbd", "save_dots"),
                 ("rbd", "save_attention_and_experts"),
                 ("rbd", "save_sublayer_outputs"),
-                ("pft", "offload_experts"),
             ]
         ),
     ],

@@ -12,9 +12,10 @@ rest in the backward pass. The block input is always kept (it is the scan carry)
 | save_attention_and_experts  | the attention core output, the expert GEMM outputs and what the exchanges delivered | norms, projections, activations, routing, permutes |
 | save_sublayer_outputs       | the attention and MLP/MoE branch outputs                | everything inside them (the MoE exchange runs again) |
 | save_exchange               | what each all-to-all delivered (dispatched rows, returned expert outputs) | everything else: the exchanges never run a third time |
-| offload_experts             | as save_exchange, and the expert GEMMs' hidden and outputs moved to pinned host memory, brought back for the backward pass (Megatron's fine-grained activation offloading) | everything else |
 
-Model FLOPs for MFU never count the recomputation (train/metrics.py).
+Model FLOPs for MFU never count the recomputation (train/metrics.py). `offload_experts` (the expert
+GEMMs' hidden and outputs in pinned host memory) was removed: on an H100 it trained a different model
+than `none` (benchmarks/memory.md), and a config naming it is refused with that reason.
 """
 
 from __future__ import annotations
@@ -60,12 +61,6 @@ POLICIES = {
     ),
     "save_sublayer_outputs": _save(ATTN_OUT, MLP_OUT, MOE_OUT, ROUTING),
     "save_exchange": _save(EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
-    "offload_experts": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
-        names_which_can_be_offloaded=(EXPERT_HIDDEN, EXPERT_OUT),
-        offload_src="device",
-        offload_dst="pinned_host",
-    ),
 }
 REMAT_MODES = ("none", *POLICIES)
 

@@ -26,7 +26,6 @@ RematMode = Literal[
     "save_attention_and_experts",
     "save_sublayer_outputs",
     "save_exchange",
-    "offload_experts",
 ]
 NanPolicy = Literal["stop", "skip"]
 QKNorm = Literal["none", "head", "full"]
