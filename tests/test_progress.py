@@ -57,6 +57,9 @@ def test_start_up_summary_comes_before_anything_compiles(tmp_path, caplog):
     caplog.set_level("INFO", logger="xmoe_jax")
     assert train_main(["--set", f"train.run_dir={run}"]) == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "xmoe_jax"]
+    cache = [line for line in lines if line.startswith("compilation cache: ")]  # said once, early
+    assert len(cache) == 1
+    lines.remove(cache[0])
     counts = count_params(load_config(None).model)
     assert lines[0] == (
         f"config (built-in tiny defaults); run dir {run}; {format_count(counts.total)} parameters "

@@ -32,7 +32,7 @@ def test_auto_transport_becomes_concrete_for_the_backend():
 def test_adaptive_dropless_exchange_starts_on_the_first_rung():
     pft = _cfg("parallel.dispatch=pft")
     assert pft.parallel.recv_buffer_factor is None
-    assert resolve_placement(pft, 8).parallel.recv_buffer_factor == 1.25
+    assert resolve_placement(pft, 8).parallel.recv_buffer_factor == 1.2  # moe/ladder.py's DEFAULT_START
     assert resolve_placement(pft, 1).parallel.recv_buffer_factor is None  # no exchange: no ladder
     fixed = _cfg("parallel.dispatch=pft", "mesh.expert=8", "parallel.adaptive_buffers=false")
     assert resolve_placement(fixed, 8).parallel.recv_buffer_factor is None

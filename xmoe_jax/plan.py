@@ -5,7 +5,7 @@
 Steps:
   1. resolve the config on N devices (the mesh's `data=-1` fills the rest) and check it;
   2. build the train step exactly as the trainer first compiles it (dropless pft/rbd with
-     adaptive buffers: the ladder's first rung, factor 1.25 unless set) and compile it ahead of
+     adaptive buffers: the ladder's first rung, factor 1.2 unless set) and compile it ahead of
      time for that mesh: N fake CPU devices (XLA:CPU), or the real GPUs of this host with
      `--real-devices`; nothing runs;
   3. per device: parameters, router biases and optimizer state from their shardings
@@ -159,7 +159,7 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
     if exchanges_tokens(cfg.parallel.dispatch) and cfg.parallel.recv_buffer_factor is None:
         out.append(
-            "parallel.recv_buffer_factor=1.25 (with parallel.adaptive_buffers=true): buffers near the average"
+            "parallel.recv_buffer_factor=1.2 (with parallel.adaptive_buffers=true): buffers near the average"
         )
     return out
 
