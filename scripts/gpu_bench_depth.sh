@@ -5,7 +5,7 @@
 #   bash scripts/gpu_bench_depth.sh                 # about 9.5 minutes
 #
 # configs/small.yaml (28 layers, H 2048, 64 experts of 1408, top-6, dropless pft, learned softmax
-# router) at EP 4: train.batch_size=128 as 4 micro-batches of 16k tokens per GPU, model.remat=save_exchange,
+# router) at EP N (default 4; N=8 on an 8-GPU host): train.batch_size=32N as 4 micro-batches of 16k tokens per GPU, model.remat=save_exchange,
 # fp32 state, synthetic tokens; 100 steps logged every 10 (throughput of the last 20 = the last two
 # windows), a profile of steps 60-61 read by scripts/kernel_overlap.py and scripts/step_breakdown.py.
 # TRANSPORT (default exact) is the exchange; if that run fails within its first 240 s (before any
@@ -17,6 +17,7 @@ source "$(dirname "$0")/gpu_env.sh"
 RUNS=$OUT/runs
 mkdir -p "$RUNS"
 STEPS=${STEPS:-100}
+N=${N:-4}  # GPUs = the expert axis; 32 sequences per GPU per step as 4 micro-batches of 8
 LIMIT=${LIMIT:-540}
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log -1 --format='commit %H %cs' 2>/dev/null
   python3 -c 'import jax; print("jax", jax.__version__)'; date -u; } > "$RUNS/env.txt" 2>&1
@@ -26,7 +27,7 @@ depth() {  # name limit transport: the full-depth run
   # shellcheck disable=SC2086  # EXTRA is a list of --set overrides
   step "$name" "$limit" python3 scripts/bench_train_step.py --config configs/small.yaml --steps "$STEPS" \
     --log-every 10 --out "$RUNS/$name.json" --run-dir "$RUNS/$name" \
-    --set mesh.expert=4 --set mesh.data=1 --set train.batch_size=128 --set train.micro_batch_size=32 \
+    --set mesh.expert="$N" --set mesh.data=1 --set train.batch_size=$((32 * N)) --set train.micro_batch_size=$((8 * N)) \
     --set model.remat="${REMAT:-save_exchange}" --set parallel.transport="$transport" \
     --set train.tensorboard=false --set "train.profile_steps=[60,61]" ${EXTRA:-}
 }
