@@ -19,7 +19,7 @@ many copies did not fit. The rules:
      rung, and a transient spike costs tens of steps at a bigger size, not the rest of the run.
   3. every change is logged (step, old and new factor, why) and counted.
 
-Pure bookkeeping (no JAX): the trainer, the placement resolver and the benchmarks use it.
+Bookkeeping on the host (no arrays): the trainer, the placement resolver and the benchmarks use it.
 """
 
 from __future__ import annotations
