@@ -344,6 +344,17 @@ def all_gather_text(name: str, value: str) -> list[str]:
     return [values[i] for i in range(jax.process_count())]
 
 
+def barrier(name: str) -> None:
+    """Returns once every process has called it (no-op without `jax.distributed`).
+
+    The trainer passes one after compiling each train step and before running it: a process that
+    compiles slower (a loaded host) would otherwise leave the faster one waiting at the step's first
+    collective, where the CPU collectives (gloo) give up after 30 s."""
+    client = coordination_client()
+    if client is not None:
+        client.wait_at_barrier(f"xmoe-barrier-{name}-{next(_uses)}", SYNC_TIMEOUT_S * 1000)
+
+
 def gather_errors(name: str, error: str) -> dict[int, str]:
     """Process id -> `error` of every process whose `error` is not empty, on every process.
     Doubles as a barrier: it returns once every process has called it."""

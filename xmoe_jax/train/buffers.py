@@ -11,7 +11,10 @@ Applies to dropless pft/rbd on more than one device (`parallel.adaptive_buffers`
 
 from __future__ import annotations
 
+import jax
+
 from xmoe_jax import sharding
+from xmoe_jax.launch import distributed
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.moe.ladder import BufferLadder, applies
 from xmoe_jax.train.errors import TrainingError
@@ -28,19 +31,23 @@ class AdaptiveStep:
         self.ladder = BufferLadder(cfg.parallel, applies(cfg, exchange_devices))
         self._compiled: dict = {}
 
-    def _fn(self, parallel: ParallelConfig):
+    def _fn(self, parallel: ParallelConfig, state, batch: dict):
         from xmoe_jax.model.functional import model_spec
         from xmoe_jax.train.step import make_train_step
 
         key = parallel.recv_buffer_factor
         if key not in self._compiled:  # one compiled step per rung visited
             spec = model_spec(self.cfg.model, parallel)
-            self._compiled[key] = make_train_step(spec, self.optimizer, self.cfg, self.mesh, self.shardings)
+            fn = make_train_step(spec, self.optimizer, self.cfg, self.mesh, self.shardings)
+            if jax.process_count() > 1:  # every process compiled before any runs a collective
+                fn = fn.lower(state, batch).compile()
+                distributed.barrier(f"train-step-{key}")
+            self._compiled[key] = fn
         return self._compiled[key]
 
     def __call__(self, state, batch: dict, step: int):
         while True:
-            state, metrics = self._fn(self.ladder.parallel)(state, batch)
+            state, metrics = self._fn(self.ladder.parallel, state, batch)(state, batch)
             if not self.ladder.active:
                 return state, metrics
             overflow, ratio = int(metrics["num_overflow"]), float(metrics["peak_ratio"])
