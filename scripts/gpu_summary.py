@@ -22,6 +22,7 @@ def line(name: str, r: dict) -> str | None:
             f"peak {(r['peak_bytes_in_use'] or 0) / GiB:6.1f} GiB  "
             f"loss {r['first_loss']:.3f}->{r['final_loss']:.3f}  {_exchange(r.get('exchange', {}))}"
             f"{'  ' + str(r['overlap']) if 'overlap' in r else ''}"
+            f"{'  router ' + r['router'] if r.get('router') else ''}"
         )
     if "peak" in r:
         return (

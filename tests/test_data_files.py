@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from xmoe_jax.cli import convert_main, tokenize_main, train_main
+from xmoe_jax.cli import tokenize_main, train_main
+from xmoe_jax.cli_models import convert_main
 from xmoe_jax.hf import safetensors_io as st
 
 GOOD = '{"text": "hello world"}\n'

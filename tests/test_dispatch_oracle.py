@@ -357,6 +357,7 @@ def test_every_dispatch_mode_has_layouts():
     assert not set(MODE_LAYOUTS) - set(DISPATCHERS), "MODE_LAYOUTS names a mode the table does not have"
 
 
+@pytest.mark.slow  # ~28 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_oracle_matches_loop_reference(compiled):
     """The mask oracle itself: with an all-ones mask it is the NumPy loop reference."""
     for name in ("A", "B", "G", "Q"):

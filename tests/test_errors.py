@@ -62,7 +62,7 @@ def test_every_error_derives_from_the_root_with_its_exit_code():
 def test_the_cli_wrapper_prints_one_line_and_returns_the_errors_status(name, capsys):
     error = _exception_classes()[name]
 
-    @cli._command
+    @cli.command
     def main(argv):
         raise error("what is wrong; the fix")
 

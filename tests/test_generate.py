@@ -60,7 +60,7 @@ def _full_forward_greedy(spec, params, bias, prompts, num_new) -> list[list[int]
     return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("kind", ["mha", pytest.param("mla", marks=pytest.mark.slow)])  # mla ~35 s
 def test_greedy_equals_full_forward(kind) -> None:
     spec, params, bias = _model(kind)
     got = generate(spec, params, bias, PROMPTS, NUM_NEW, SamplingConfig(temperature=0.0))
@@ -97,6 +97,7 @@ def test_greedy_on_the_training_mesh_equals_one_device(kind) -> None:
     assert got == want
 
 
+@pytest.mark.slow  # ~23 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_sampling_is_seeded_and_respects_top_k_and_top_p() -> None:
     spec, params, bias = _model()
     warm = SamplingConfig(temperature=1.0, top_p=0.9)

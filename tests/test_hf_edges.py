@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from test_hf_convert import MODELS, _assert_bitwise, _run, _weights
 
-from xmoe_jax.cli import convert_main
+from xmoe_jax.cli_models import convert_main
 from xmoe_jax.hf import ConversionError
 from xmoe_jax.hf import safetensors_io as st
 from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint

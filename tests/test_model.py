@@ -133,7 +133,7 @@ def _tokens(seed: int = 0) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (B, S), 0, 256)
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "padded"])
+@pytest.mark.parametrize("dispatch", [pytest.param("dense", marks=pytest.mark.slow), "padded"])  # dense ~37 s
 def test_tiny_logits_same_on_mesh(dispatch: str) -> None:
     spec = _spec(dispatch)
     params, bias = _init(False)
@@ -212,6 +212,7 @@ def test_attention_bias_and_qk_norm_match_numpy_reference(qkv_bias: bool, qk_nor
         assert rel_err(y[b], want) < 1e-5
 
 
+@pytest.mark.slow  # ~23 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_tied_embeddings_share_the_embedding_as_head() -> None:
     cfg = dataclasses.replace(_tiny(), tie_embeddings=True)
     spec = model_spec(cfg)
@@ -258,6 +259,7 @@ def _looped(make, rngs, num):
     return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
 
 
+@pytest.mark.slow  # ~30 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_vmapped_stack_init_equals_the_per_layer_init() -> None:
     """The layer stacks are created by one vmapped init (start-up flat in depth); every weight
     equals, bitwise, that of creating the layers one after another from the same stream, which

@@ -57,6 +57,7 @@ def test_signal_to_one_process_stops_both_at_one_step_then_resume_finishes_clean
     assert sorted(losses(run)) == list(range(1, 13))  # every step once (exactness: test_preemption.py)
 
 
+@pytest.mark.slow  # ~54 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 @pytest.mark.parametrize("how", ["killed", pytest.param("frozen", marks=pytest.mark.slow)])
 def test_a_dead_process_makes_the_other_stop_in_bounded_time_naming_it(tmp_path, compile_cache, how):
     run = tmp_path / "run"

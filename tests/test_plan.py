@@ -46,6 +46,7 @@ def test_expert_parallel_and_fsdp_divide_the_state(replicated):
     assert ep.params < base.params and fsdp.params < base.params
 
 
+@pytest.mark.slow  # ~23 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_advice_names_settings_when_it_does_not_fit(replicated):
     p = plan(replicated, device_memory=2**20)
     assert p.fits is False
@@ -55,6 +56,7 @@ def test_advice_names_settings_when_it_does_not_fit(replicated):
     assert "try: (" not in p.table()  # the overage is a statement, not a suggestion
 
 
+@pytest.mark.slow  # ~29 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_cli_plans_for_fake_devices(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "XLA_FLAGS": ""}
@@ -83,6 +85,7 @@ def test_cli_refuses_an_out_path_it_cannot_write_before_compiling(tmp_path, caps
     assert err.startswith("error: --out") and "\n" not in err and str(out) in err, err
 
 
+@pytest.mark.slow  # ~64 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_plan_compiles_the_step_the_trainer_runs_first():
     """Dropless pft with adaptive buffers: planned at the ladder's first rung (1.2x) with the
     transport a GPU resolves `auto` to (bucketed), each said in a note; fixed buffers plan as set."""

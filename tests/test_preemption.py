@@ -64,6 +64,7 @@ def sigint_handler():
         signal.signal(signal.SIGINT, original)
 
 
+@pytest.mark.slow  # ~64 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_sigint_in_process_raises_preempted_and_resumes_exactly(tmp_path, tiny_reference, sigint_handler):
     run = tmp_path / "run"
     metrics = run / "metrics.jsonl"

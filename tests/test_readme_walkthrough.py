@@ -26,15 +26,8 @@ import pytest
 import yaml
 from data_helpers import documents, train_bpe, write_jsonl
 
-from xmoe_jax.cli import (
-    convert_main,
-    eval_main,
-    generate_main,
-    params_main,
-    plot_main,
-    tokenize_main,
-    train_main,
-)
+from xmoe_jax.cli import eval_main, params_main, plot_main, tokenize_main, train_main
+from xmoe_jax.cli_models import convert_main, generate_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SECTIONS = ("Train", "Your data", "Checkpoints from and to HuggingFace", "Generation")

@@ -88,6 +88,7 @@ class _Spy:
         monkeypatch.setattr(loop, "AdaptiveStep", Step)
 
 
+@pytest.mark.slow  # ~42 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_resume_in_an_empty_dir_starts_at_0_and_the_previous_save_is_done_before_the_next_is_due(
     tmp_path, monkeypatch, caplog, capsys, compile_cache
 ):

@@ -132,6 +132,22 @@ def test_no_gradient_into_router_bias() -> None:
 # ----------------------------------------------------------------------------- counts and losses
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_force_balance_gives_every_expert_the_same_count_and_weights_from_the_scores(score_func) -> None:
+    """The benchmarking router: distinct experts per token, T*K/E copies each, weights = the
+    (renormalised) scores of the learned router at the forced experts."""
+    cfg = MoEConfig(num_experts=8, top_k=3, score_func=score_func, force_balance=True, norm_topk_prob=True)
+    x_TD, kernel_DE = _inputs(7, cfg.num_experts, scale=3.0)
+    got = router.route(jnp.asarray(x_TD), jnp.asarray(kernel_DE), None, cfg)
+    idx = np.asarray(got.topk_idx_TK)
+    assert all(len(set(row)) == cfg.top_k for row in idx)
+    np.testing.assert_array_equal(np.bincount(idx.ravel(), minlength=8), np.full(8, T * cfg.top_k // 8))
+    _, _, logits, _ = route_ref(x_TD, kernel_DE, None, cfg)
+    score = softmax(logits) if score_func == "softmax" else 1 / (1 + np.exp(-logits))
+    want = np.take_along_axis(score, idx, axis=-1)
+    np.testing.assert_allclose(np.asarray(got.topk_weight_TK), want / want.sum(-1, keepdims=True), rtol=1e-5)
+
+
 def test_tokens_per_expert_counts_every_copy() -> None:
     idx = np.random.default_rng(8).integers(0, 6, size=(20, 3))
     got = np.asarray(router.tokens_per_expert(jnp.asarray(idx, jnp.int32), 6))

@@ -17,7 +17,8 @@ import pytest
 import yaml
 from data_helpers import documents, train_bpe, write_jsonl
 
-from xmoe_jax.cli import generate_main, train_main
+from xmoe_jax.cli import train_main
+from xmoe_jax.cli_models import generate_main
 from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.data import load_tokenizer, provenance
 from xmoe_jax.data.tokenize import tokenize_to_shards

@@ -51,7 +51,8 @@ def test_config_at_is_the_config_the_step_was_written_under(tmp_path) -> None:
 
 @pytest.mark.slow  # ~2 min: two trainings, then eval, generation and export at two steps
 def test_eval_generate_and_export_read_the_config_of_their_step(tmp_path, capsys) -> None:
-    from xmoe_jax.cli import eval_main, generate_main, train_main
+    from xmoe_jax.cli import eval_main, train_main
+    from xmoe_jax.cli_models import generate_main
     from xmoe_jax.generate import generate_from_run
     from xmoe_jax.hf.convert import export_checkpoint
     from xmoe_jax.train.evaluate import evaluate_checkpoint

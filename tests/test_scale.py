@@ -121,7 +121,7 @@ def test_model_with_pallas_attention_on_a_mesh_equals_xla():
 @pytest.mark.parametrize(
     "layout, mode",
     [
-        ("pft", "full"),
+        pytest.param("pft", "full", marks=pytest.mark.slow),  # ~52 s: the default suite keeps the two below
         ("pft", "save_dots"),
         ("pft", "save_exchange"),
         *(
@@ -161,6 +161,7 @@ def _temp_bytes(model_cfg, par, mesh_cfg):
     return _compiled(model_cfg, par, mesh_cfg).memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # ~58 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_remat_lowers_compiled_temporary_memory():
     par, mesh_cfg = LAYOUTS["pft"]
     deep = dict(num_layers=6, num_dense_layers=1)
@@ -174,6 +175,7 @@ def _all_to_alls(model_cfg, par, mesh_cfg) -> int:
     return _compiled(model_cfg, par, mesh_cfg).as_text().count(" all-to-all(")
 
 
+@pytest.mark.slow  # ~66 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 @pytest.mark.parametrize("layout", ["pft", pytest.param("rbd", marks=pytest.mark.slow)])  # rbd ~40 s
 def test_save_exchange_runs_each_exchange_as_often_as_no_recomputation(layout):
     """`save_exchange` keeps what the all-to-alls delivered: its step holds as many all-to-alls as
@@ -183,6 +185,7 @@ def test_save_exchange_runs_each_exchange_as_often_as_no_recomputation(layout):
     assert counts["save_exchange"] == counts["none"] < counts["full"], counts
 
 
+@pytest.mark.slow  # ~51 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_remat_holds_when_layers_run_straight_line():
     """Unrolled layers (or a scan whose one iteration holds them all) put the forward and backward
     in one program; XLA's CSE must not merge the recomputation back into the forward."""
@@ -264,6 +267,7 @@ def _one_step(cfg):
     return trainer_parts.one_step(cfg, *_batch(5))
 
 
+@pytest.mark.slow  # ~76 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_micro_batches_give_the_same_update(tmp_path):
     """aux-loss weight 0 (the balance loss is per micro-batch by design): the update is the same."""
     over = ("model.moe.aux_loss_weight=0",)

@@ -298,6 +298,10 @@ def test_real_h100_traces(tmp_path):
         "loop": 0.10,
     }
     assert ms["exchange_exposed"] == 0 and not any("CUDA graphs" in n for n in rep["notes"])
+    # device copies by source: the layer scan's parameter slices (dynamic_index_in_dim) lead
+    top_copy = rep["copies"][0][0]
+    assert top_copy.startswith("MemcpyD2D: loop_dynamic_slice_fusion @ ") and "while/body" in top_copy
+    assert "Device copies by source" in step_report.format_table(rep)
     rep = sb.breakdown(str(_h100("graphs", tmp_path / "b")))
     assert rep["gpus"]["GPU0"]["steps"] == 3 and rep["mean"]["cuda_graph_share"] > 0.9
     assert rep["mean"]["ms"]["attention"] > 0.2 and rep["mean"]["ms"]["optimizer"] > 0

@@ -164,7 +164,7 @@ def test_metrics_jsonl_is_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_prompt_ids_that_are_not_integers_name_the_flag(tmp_path, capsys):
-    from xmoe_jax.cli import generate_main
+    from xmoe_jax.cli_models import generate_main
 
     assert generate_main(["--run-dir", str(tmp_path), "--prompt-ids", "a b"]) == 2
     err = capsys.readouterr().err

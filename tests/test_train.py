@@ -50,9 +50,16 @@ def test_resume_is_exact(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
 
 
-def test_existing_run_dir_is_never_overwritten(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A finished 2-step run with its checkpoint (the tests below only try to start over it)."""
+    run = tmp_path_factory.mktemp("two_steps") / "run"
     train(tiny(run, "train.steps=2", "checkpoint.every=2"))
+    return run
+
+
+def test_existing_run_dir_is_never_overwritten(two_step_run):
+    run = two_step_run
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match="--resume"):
         train(tiny(run, "train.steps=4"))
@@ -60,9 +67,8 @@ def test_existing_run_dir_is_never_overwritten(tmp_path):
     assert before == after
 
 
-def test_incompatible_checkpoint_is_refused_before_compiling(tmp_path):
-    run = tmp_path / "run"
-    train(tiny(run, "train.steps=2", "checkpoint.every=2"))
+def test_incompatible_checkpoint_is_refused_before_compiling(two_step_run):
+    run = two_step_run
     with pytest.raises(CheckpointError, match="model.hidden"):
         train(tiny(run, "train.steps=4", "model.hidden=32", "model.head_dim=8"), resume=True)
 
@@ -82,6 +88,7 @@ def test_nan_stops_with_clear_message_and_keeps_state(tmp_path):
     assert "nan_policy=skip" in str(err.value)
 
 
+@pytest.mark.slow  # ~28 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_nan_skip_policy_completes(tmp_path):
     result = train(
         tiny(
@@ -98,6 +105,7 @@ def test_nan_skip_policy_completes(tmp_path):
     assert result.skipped and result.skipped[-1] == 6  # once parameters blow up, every step is refused
 
 
+@pytest.mark.slow  # ~42 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_step_refuses_a_non_finite_update_with_finite_loss():
     """The step guard alone (one compiled step): lr=inf makes the first update NaN (0 * inf) while
     loss and gradient norm are finite; the step is marked not finite and the params stay."""
@@ -207,6 +215,7 @@ def test_loss_falls_on_text_with_metrics_file(tmp_path):
     assert (run / "config.yaml").exists()
 
 
+@pytest.mark.slow  # ~44 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 def test_router_bias_moves_only_by_the_balancing_rule(tmp_path):
     cfg = tiny(
         tmp_path / "bias",
@@ -256,6 +265,7 @@ def rbd_run(tmp_path_factory):
     return root, full
 
 
+@pytest.mark.slow  # ~180 s: kept out of the default suite's 15-minute budget (CI's slow run has it)
 @pytest.mark.parametrize("second", ["pft", pytest.param("padded", marks=pytest.mark.slow)])
 def test_resume_under_another_dispatch_mode(rbd_run, second):
     root, full = rbd_run

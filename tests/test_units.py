@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from xmoe_jax.cli import convert_main, params_main, plan_main
+from xmoe_jax.cli import params_main, plan_main
+from xmoe_jax.cli_models import convert_main
 from xmoe_jax.config import ConfigError
 from xmoe_jax.units import format_count, parse_bytes
 

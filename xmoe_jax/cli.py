@@ -20,6 +20,9 @@ Exit status of `xmoe-train` (docs/reliability.md):
         run the same command with --resume (the SLURM scripts requeue the job).
 Errors print one line naming the problem and the fix.
 
+`xmoe-generate` and `xmoe-convert` (the commands that read or write a model) are in
+`xmoe_jax.cli_models`; they share `command` and the helpers below.
+
 The launch flags (`add_cli_flags`) and the call that turns them into a started job
 (`initialize_from_args`) live here too; `scripts/launch_plan.py` shares them. How flags,
 XMOE_* variables and SLURM combine is `xmoe_jax.launch.distributed`'s rule.
@@ -165,7 +168,7 @@ def _noting_ctrl_c(seen: list[int]):
             signal.signal(signal.SIGINT, previous)
 
 
-def _command(main):
+def command(main):
     """Every entry point's error handling: an `XmoeError` becomes its one line and exit status
     (2 bad input, 1 failed while running); Ctrl-C one line and 130, whatever error it turned into
     on the way (`_noting_ctrl_c`); anything else is a bug and keeps its traceback. (`xmoe-train`
@@ -195,13 +198,13 @@ def _command(main):
     return run
 
 
-def _progress(line: str) -> None:
+def progress(line: str) -> None:
     """A long tool's progress line (loading, compiling, writing): stderr, at once."""
     print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def _value_errors_are_bad_input():
+def value_errors_are_bad_input():
     """A plain ValueError from the libraries a tool calls (a tokenizer, a placement check) as bad
     input: the same message, status 2."""
     try:
@@ -212,7 +215,7 @@ def _value_errors_are_bad_input():
         raise ConfigError(str(err)) from err
 
 
-@_command
+@command
 def train_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-train", "Train a DeepSeek-style MoE transformer.")
     p.add_argument(
@@ -244,7 +247,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.new_data and not (args.resume or args.resume_or_start):
         p.error("--new-data applies only with --resume or --resume-or-start")
-    _quiet_logging()
+    quiet_logging()
     cfg = load_config(args.config, args.overrides)  # plain Python: JAX's backend has not started
     if resolve_from_args(args).process_id == 0:  # the first line, before JAX loads and compiles
         _start_line(args.config, cfg)
@@ -308,7 +311,7 @@ def _start_line(config_path: str | None, cfg) -> None:
     )
 
 
-@_command
+@command
 def params_main(argv: list[str] | None = None) -> int:
     p = _parser("xmoe-params", "Print the parameter counts of a model config.")
     args = p.parse_args(argv)
@@ -331,7 +334,7 @@ def _check_out_file(path: Path, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent})")
 
 
-@_command
+@command
 def plan_main(argv: list[str] | None = None) -> int:
     p = _parser(
         "xmoe-plan", "Per-device memory of a config's train step on N devices (ahead-of-time compile)."
@@ -371,7 +374,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
     from xmoe_jax.plan import plan
 
-    with _value_errors_are_bad_input():
+    with value_errors_are_bad_input():
         cfg = load_config(args.config, args.overrides)
         if jax.device_count() != args.devices:
             raise ConfigError(
@@ -418,7 +421,7 @@ def _drop_closed_loop_callbacks(unraisable) -> None:
     still in flight call back into it: each raises "Event loop is closed" with its traceback (about
     100 on a full disk). The failed write is reported in one line. A Ctrl-C that landed in a callback
     Python cannot raise from (JAX's garbage-collection hook) would be lost with a traceback printed:
-    it is sent again, to land where it stops the tool (`_command`). Everything else prints as usual."""
+    it is sent again, to land where it stops the tool (`command`). Everything else prints as usual."""
     exc = unraisable.exc_value
     if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
         return
@@ -428,7 +431,7 @@ def _drop_closed_loop_callbacks(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
-def _quiet_logging() -> None:
+def quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)
@@ -437,7 +440,7 @@ def _quiet_logging() -> None:
     sys.unraisablehook = _drop_closed_loop_callbacks
 
 
-@_command
+@command
 def tokenize_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-tokenize",
@@ -498,7 +501,7 @@ def _tokenize_lock(out: pathlib.Path):
         lock.release()
 
 
-@_command
+@command
 def eval_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-eval", description="Evaluate a checkpoint of a run on its eval data (loss, perplexity)."
@@ -510,7 +513,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     from xmoe_jax.launch.xla_flags import apply_defaults
 
     apply_defaults()
-    _quiet_logging()
+    quiet_logging()
     from xmoe_jax.train.evaluate import evaluate_checkpoint
 
     r = evaluate_checkpoint(args.run_dir, args.step, args.overrides)
@@ -520,7 +523,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-@_command
+@command
 def plot_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="xmoe-plot", description="Write PNGs of a run (loss, eval, expert load)."
@@ -533,136 +536,6 @@ def plot_main(argv: list[str] | None = None) -> int:
     written = plot_run(args.run_dir, args.out)
     for path in written:
         print(path)
-    return 0
-
-
-def _token_ids(text: str) -> list[int]:
-    """`--prompt-ids "1 2 3"` as a list of ints; `ConfigError` naming the flag and the fix."""
-    words = text.replace(",", " ").split()
-    bad = [w for w in words if not w.isdigit()]
-    if bad or not words:
-        what = f"{bad[0]!r} is not a token id" if bad else "it holds no token ids"
-        raise ConfigError(
-            f"--prompt-ids {text!r}: {what}; give non-negative integers separated by spaces, e.g. "
-            "--prompt-ids '1 2 3' (use --prompt for text)"
-        )
-    return [int(w) for w in words]
-
-
-@_command
-def generate_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="xmoe-generate", description="Sample text from a run's checkpoint.")
-    p.add_argument("--run-dir", required=True, help="a run directory (train.run_dir) with checkpoints")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    p.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        help="a text prompt, encoded with the run's tokenizer (repeatable)",
-    )
-    p.add_argument(
-        "--prompt-ids", action="append", default=[], help='a prompt as token ids, "1 2 3" (repeatable)'
-    )
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the most likely tokens holding p")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eos-id", type=int, default=None, help="stop a row at this token id")
-    p.add_argument(
-        "--mesh", action="store_true", help="run on the run's mesh and placement (default: one device)"
-    )
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
-    from xmoe_jax.generate.sampling import SamplingConfig
-
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # before anything loads
-    if not args.prompt and not args.prompt_ids:
-        raise ConfigError("give at least one --prompt TEXT or --prompt-ids '1 2 3'")
-    ids = [_token_ids(s) for s in args.prompt_ids]
-    from xmoe_jax.launch.xla_flags import apply_defaults
-
-    apply_defaults()
-    _quiet_logging()
-    from xmoe_jax.data import load_tokenizer, provenance
-    from xmoe_jax.generate import generate_from_run
-    from xmoe_jax.train.rundir import RunDir
-
-    with _value_errors_are_bad_input():
-        run = RunDir(args.run_dir)
-        cfg = run.input_config(args.step, args.overrides)  # the config of the step it generates with
-        tokenizer = load_tokenizer(provenance.for_tools(run.tokenizer, cfg, args.overrides).data.tokenizer)
-        prompts = tokenizer.encode_batch(args.prompt) + ids
-        outs = generate_from_run(
-            args.run_dir, prompts, args.max_tokens, sampling, args.seed, step=args.step, on_mesh=args.mesh,
-            overrides=args.overrides, eos_id=args.eos_id, report=_progress,
-        )  # fmt: skip
-    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-        print(f"=== {i + 1}/{len(prompts)}")
-        is_text = i < len(args.prompt)
-        print(tokenizer.decode(prompt + out) if is_text else " ".join(map(str, prompt + out)))
-    return 0
-
-
-@_command
-def convert_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="xmoe-convert", description="HuggingFace checkpoints in and out.")
-    sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a HuggingFace directory -> a run directory to train or resume")
-    imp.add_argument(
-        "--hf-dir",
-        required=True,
-        help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)",
-    )
-    imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
-    exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
-    exp.add_argument("--run-dir", required=True)
-    exp.add_argument(
-        "--out",
-        required=True,
-        help="the output folder: new, empty, holding only a tokenizer, or an earlier export (--overwrite)",
-    )
-    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    exp.add_argument("--arch", default=None, help="model_type to write (default: the first that fits)")
-    exp.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
-    exp.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        help="largest safetensors file, e.g. 5GB, 500MB or 500KB (KB/MB/GB decimal; K/M/G and KiB/... binary)",
-    )
-    exp.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier export in --out (all its weights go; files put there by others stay)",
-    )
-    exp.add_argument(
-        "--replace-tokenizer",
-        action="store_true",
-        help="write the run's tokenizer over one --out already has (default: keep that one)",
-    )
-    for q in (imp, exp):
-        q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
-    from xmoe_jax.units import parse_bytes
-
-    # before anything loads
-    shard_bytes = parse_bytes(args.max_shard_size, "--max-shard-size") if args.command == "export" else 0
-    from xmoe_jax.launch.xla_flags import apply_defaults
-
-    apply_defaults()
-    _quiet_logging()
-    from xmoe_jax.hf.convert import export_checkpoint, import_checkpoint, next_steps
-
-    with _value_errors_are_bad_input():
-        if args.command == "import":
-            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides, report=_progress)
-            print(next_steps(args.hf_dir, cfg))
-        else:
-            files = export_checkpoint(
-                args.run_dir, args.out, args.step, args.arch, args.dtype, args.overrides, shard_bytes,
-                overwrite=args.overwrite, replace_tokenizer=args.replace_tokenizer, report=_progress,
-            )  # fmt: skip
-            print(f"exported {args.run_dir} to {args.out}: config.json, {', '.join(files)}")
     return 0
 
 

@@ -47,6 +47,10 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     bias_update_rate: float = 0.0  # aux-loss-free balancing (sigmoid routing)
+    # benchmarking only (the vendors' tables): token t's copies go to experts (t*K + j) mod E, so every
+    # expert gets the same count; the combine weights are still the router's scores at those experts
+    # (router.py). Not a model anyone would train: label any number measured with it.
+    force_balance: bool = False
 
     def __post_init__(self) -> None:
         p = "moe."

@@ -10,6 +10,8 @@ Shapes: T tokens, D model, E experts, K top-k, G expert groups, S tokens per seq
       sum of their two largest (s + bias), keep `topk_groups` groups, take top-k inside
       them; weights = s at the chosen experts (no bias), normalised when
       `norm_topk_prob`, times `routed_scaling_factor`.
+  force_balance (benchmarking, as the vendors' tables): the experts are chosen round-robin
+      instead (`balanced_choice`); the weights are the scores above at those experts.
 """
 
 from __future__ import annotations
@@ -79,10 +81,21 @@ def route(x_TD: jax.Array, kernel_DE: jax.Array, bias_E: jax.Array | None, cfg: 
         _, topk_idx_TK = jax.lax.top_k(jax.lax.stop_gradient(sel_TE), cfg.top_k)
         topk_weight_TK = jnp.take_along_axis(s_TE, topk_idx_TK, axis=-1)
         scores_TE = s_TE / (s_TE.sum(-1, keepdims=True) + 1e-20)
+    if cfg.force_balance:  # benchmarking: every expert the same count (MoEConfig.force_balance)
+        weights_TE = probs_TE if cfg.score_func == "softmax" else s_TE
+        topk_idx_TK = balanced_choice(logits_TE.shape[0], cfg.top_k, cfg.num_experts)
+        topk_weight_TK = jnp.take_along_axis(weights_TE, topk_idx_TK, axis=-1)
     if cfg.norm_topk_prob:
         topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(-1, keepdims=True) + 1e-20)
     topk_weight_TK = topk_weight_TK * cfg.routed_scaling_factor
     return Routing(topk_idx_TK.astype(jnp.int32), topk_weight_TK, scores_TE, logits_TE)
+
+
+def balanced_choice(num_tokens: int, top_k: int, num_experts: int) -> jax.Array:
+    """int32 [T, K]: token t's copies to experts (t*K + j) mod E, k distinct experts per token and
+    (when E divides T*K) exactly T*K/E copies per expert."""
+    t_T, j_K = jnp.arange(num_tokens, dtype=jnp.int32), jnp.arange(top_k, dtype=jnp.int32)
+    return (t_T[:, None] * top_k + j_K[None, :]) % num_experts
 
 
 def tokens_per_expert(topk_idx_TK: jax.Array, num_experts: int) -> jax.Array:

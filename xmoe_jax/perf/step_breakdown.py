@@ -192,6 +192,7 @@ def gpu_breakdown(
     by_kind: dict[str, list[Interval]] = collections.defaultdict(list)
     top: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
     counts: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
+    copies, copy_counts = collections.Counter(), collections.Counter()  # by copy_source
     stacked = busy = in_graph = 0.0
     memo: dict[tuple, str] = {}
     for k in plane.kernels:
@@ -204,6 +205,9 @@ def gpu_breakdown(
         counts[cat][k.name] += 1
         if cat == "exchange":
             by_kind[collective_kind(k)].append((k.start, k.end))
+        if k.name.startswith("Memcpy"):
+            copies[copy_source(k)] += k.end - k.start
+            copy_counts[copy_source(k)] += 1
         busy += k.end - k.start
         stacked += (k.end - k.start) if k.stack is not None else 0.0
         in_graph += (k.end - k.start) if k.hlo_op.startswith("command_buffer") else 0.0
@@ -241,7 +245,16 @@ def gpu_breakdown(
             for c in KERNEL_ORDER
             if top[c]
         },
+        "copies": [(src, ns * per_step, copy_counts[src] / num_steps) for src, ns in copies.most_common(6)],
     }
+
+
+def copy_source(k: Kernel) -> str:
+    """Where a device copy (MemcpyD2D/H2D/D2H) comes from: its HLO op without the number and the
+    end of its JAX name stack, e.g. `loop_dynamic_slice_fusion @ jvp()/while/body/...`."""
+    op = k.hlo_op.rstrip("0123456789").rstrip(".") or "?"
+    where = "/".join((k.stack or "").split("/")[-3:])
+    return f"{k.name}: {op} @ {where or '?'}"
 
 
 # ----------------------------------------------------------------------------- a trace folder
@@ -314,6 +327,11 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
                 count[name] += c / len(rows)
         if ms:
             top[cat] = [[name, m, count[name]] for name, m in ms.most_common(5)]
+    copies_ms, copies_n = collections.Counter(), collections.Counter()
+    for r in rows:
+        for src, m, c in r.get("copies", []):
+            copies_ms[src] += m / len(rows)
+            copies_n[src] += c / len(rows)
     unidentified = []
     if summary["name_stack_coverage"] == 0:
         unidentified = list(NAME_STACK_CATEGORIES)
@@ -352,5 +370,6 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
         "gpus": gpus,
         "mean": summary,
         "top_kernels": top,
+        "copies": [[src, m, copies_n[src]] for src, m in copies_ms.most_common(6)],
         "notes": notes,
     }

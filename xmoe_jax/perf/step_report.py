@@ -52,6 +52,9 @@ def format_table(rep: dict) -> str:
     for cat, items in rep["top_kernels"].items():
         label = LABELS.get(cat, cat)
         lines.append(f"- {label}: " + "; ".join(f"{n[:70]} {m:.2f} ms x{c:.3g}" for n, m, c in items[:3]))
+    if rep.get("copies"):
+        lines += ["", "Device copies by source (mean per GPU per step: ms, launches; HLO op @ name stack):"]
+        lines += [f"- {src[:110]} {m:.2f} ms x{c:.3g}" for src, m, c in rep["copies"]]
     lines += [f"Note: {n}" for n in rep["notes"]]
     return "\n".join(lines)
 
