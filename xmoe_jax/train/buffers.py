@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 
 from xmoe_jax import sharding
-from xmoe_jax.launch import distributed
 from xmoe_jax.config import Config, ParallelConfig
+from xmoe_jax.launch import distributed
 from xmoe_jax.moe.ladder import BufferLadder, applies
 from xmoe_jax.train.errors import TrainingError
 
