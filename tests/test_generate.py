@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from reference import rel_err
 
-from xmoe_jax.cli import generate_main
+from xmoe_jax.cli_models import generate_main
 from xmoe_jax.config import ConfigError, MeshConfig, ParallelConfig, load_config
 from xmoe_jax.generate import SamplingConfig, generate, sample
 from xmoe_jax.generate.sampling import MIN_TEMPERATURE

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra (p
 import jax  # noqa: E402
 
 from xmoe_jax import sharding  # noqa: E402
-from xmoe_jax.cli import convert_main  # noqa: E402
+from xmoe_jax.cli_models import convert_main  # noqa: E402
 from xmoe_jax.hf.safetensors_io import Reader  # noqa: E402
 from xmoe_jax.model import functional as fmodel  # noqa: E402
 from xmoe_jax.train.rundir import RunDir  # noqa: E402

@@ -256,7 +256,7 @@ def test_ctrl_c_while_the_checkpoint_is_read_is_one_line_and_130(run, hf, tmp_pa
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     code = (  # Ctrl-C as in a terminal (a background pytest starts its children with SIGINT ignored)
         "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "from xmoe_jax.cli import convert_main; sys.exit(convert_main())"
+        "from xmoe_jax.cli_models import convert_main; sys.exit(convert_main())"
     )
     argv = [sys.executable, "-c", code, "export", "--run-dir", str(run), "--out", str(out), "--overwrite"]
     environ = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}

@@ -85,7 +85,9 @@ MODEL = ModelConfig(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize(
+    "sp", [pytest.param(False, marks=pytest.mark.slow), True], ids=["tp", "tp+sp"]
+)  # tp alone ~44 s: slow; tp+sp (the SSMB path) stays in the default suite
 def test_model_tensor_parallel_equals_no_mesh(sp: bool) -> None:
     """Heads / MLP F over tensor=4 (GQA: 2 kv heads replicated), SSMB MoE; with and without SP."""
     logits_ref, grads_ref = _model_fn(MODEL, DENSE, None)
