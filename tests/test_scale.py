@@ -284,6 +284,24 @@ def test_micro_batches_give_the_same_update(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
 
 
+def test_a_bfloat16_gradient_sum_is_the_float32_one_to_bfloat16_rounding(tmp_path):
+    """train.grad_accum_dtype=bfloat16 (one device, 4 micro-batches): the step's gradient norm is the
+    float32 sum's to bf16 rounding, and not bitwise it (the switch acts); the loss is the same."""
+
+    def step(accum):
+        cfg = load_config(
+            CONFIGS / "tiny.yaml",
+            [f"train.run_dir={tmp_path / accum}", f"train.batch_size={B}", f"train.seq_len={S}",
+             "train.micro_batch_size=4", "model.dtype=float32", f"train.grad_accum_dtype={accum}"],
+        )  # fmt: skip
+        return trainer_parts.one_step(cfg, *_batch(7))[1]
+
+    f32, bf16 = step("float32"), step("bfloat16")
+    assert float(f32["loss"]) == float(bf16["loss"])
+    g32, g16 = float(f32["grad_norm"]), float(bf16["grad_norm"])
+    assert g32 != g16 and abs(g16 - g32) < 2**-7 * g32, (g32, g16)
+
+
 @pytest.mark.slow  # ~16 s
 def test_micro_batch_balance_loss_is_the_mean_over_micro_batches(tmp_path):
     cfg = _step_cfg(tmp_path, "train.micro_batch_size=8")

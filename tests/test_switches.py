@@ -53,6 +53,9 @@ EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
         (["model.moe.bias_update_rate=0.01"], "model.moe.bias_update_rate=0.01", "score_func=sigmoid"),
         (["model.unroll_layers=true", "model.scan_unroll=2"], "model.scan_unroll=2", "model.scan_unroll=1"),
         (["train.steps=5", "train.profile_steps=[6, 8]"], "train.profile_steps=[6, 8]", "train.profile_steps=[1, 3]"),
+        (["train.grad_accum_dtype=bfloat16"], "train.grad_accum_dtype=bfloat16", "train.micro_batch_size"),
+        (["train.batch_size=8", "train.micro_batch_size=8", "train.grad_accum_dtype=bfloat16"],
+         "train.grad_accum_dtype=bfloat16", "grad_accum_dtype=float32"),
     ],
 )  # fmt: skip
 def test_a_switch_that_cannot_apply_is_refused_with_its_fix(overrides, field, fix):
@@ -73,6 +76,7 @@ def test_a_switch_that_cannot_apply_is_refused_with_its_fix(overrides, field, fi
         ["mesh.tensor=2", "parallel.ssmb=true", "parallel.sequence_parallel=true"],
         ["model.moe.score_func=sigmoid", "model.moe.bias_update_rate=0.01"],
         ["train.steps=5", "train.profile_steps=[5, 9]"],
+        ["train.batch_size=8", "train.micro_batch_size=2", "train.grad_accum_dtype=bfloat16"],
     ],
 )  # fmt: skip
 def test_switches_that_apply_are_accepted(overrides):

@@ -23,6 +23,7 @@ count from `Config.validate_for_devices`. The list after the table says why the 
 | moe.bias_update_rate > 0                 | train/step.py (router bias)          | score_func softmax (no bias exists)          |
 | model.scan_unroll > 1                    | model/transformer.py scan            | unroll_layers=true (no scan)                 |
 | train.profile_steps                      | train/profile.py                     | first step > train.steps                     |
+| train.grad_accum_dtype=bfloat16          | train/step.py accumulated            | no micro-batches (the batch runs at once)    |
 
 Accepted, and why (each changes the run, or cannot be decided from the config alone):
 - every `choices.py` literal has a reader for each value: Dispatch (moe/dispatchers.DISPATCHERS),
@@ -181,6 +182,14 @@ def _model(cfg: Config) -> None:
         model.scan_unroll == 1 or not model.unroll_layers,
         f"model.scan_unroll={model.scan_unroll} unrolls the layer scan, but model.unroll_layers=true "
         "runs no scan; set model.scan_unroll=1, or model.unroll_layers=false",
+    )
+    train = cfg.train
+    _check(
+        train.grad_accum_dtype == "float32"
+        or (train.micro_batch_size is not None and train.micro_batch_size < train.batch_size),
+        f"train.grad_accum_dtype={train.grad_accum_dtype} sets the dtype of the micro-batches' gradient sum, "
+        f"but the batch runs at once (train.micro_batch_size={train.micro_batch_size}, batch_size="
+        f"{train.batch_size}); set train.micro_batch_size to a divisor of the batch, or grad_accum_dtype=float32",
     )
     profile = cfg.train.profile_steps
     _check(

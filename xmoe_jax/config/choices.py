@@ -17,6 +17,7 @@ AuxLossType = Literal["micro_batch", "sequence", "none"]
 DType = Literal["bfloat16", "float32", "float16"]
 ParamDType = Literal["float32", "bfloat16"]
 StateDType = Literal["float32", "bfloat16"]
+AccumDType = Literal["float32", "bfloat16"]
 DataSource = Literal["auto", "synthetic", "text", "files", "hf", "arrayrecord", "megatron"]
 AttentionImpl = Literal["auto", "cudnn", "pallas", "xla"]
 RematMode = Literal[

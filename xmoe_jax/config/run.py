@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from xmoe_jax.config.applies import check_mesh_switches
 from xmoe_jax.config.checks import _check, _check_choices, _check_numbers
-from xmoe_jax.config.choices import NanPolicy, StateDType
+from xmoe_jax.config.choices import AccumDType, NanPolicy, StateDType
 from xmoe_jax.config.data import DataConfig, EvalConfig
 from xmoe_jax.config.model import ModelConfig, MoEConfig
 from xmoe_jax.config.parallel import MeshConfig, MeshShape, ParallelConfig
@@ -69,6 +69,9 @@ class TrainConfig:
     log_every: int = 10
     # gradient accumulation: sequences per micro-batch (global); None = the whole batch at once
     micro_batch_size: int | None = None
+    # the micro-batches' gradient sum: bfloat16 holds it in 2 bytes per parameter instead of 4 (each
+    # micro-batch's gradient is rounded to bfloat16 as it is added; benchmarks/grad_accum_cpu.md has the curve)
+    grad_accum_dtype: AccumDType = "float32"
     run_dir: str = "runs/default"
     nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind

@@ -93,6 +93,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     )
     micro = cfg.train.micro_batch_size
     num_micro = cfg.train.batch_size // micro if micro else 1
+    accum = jnp.dtype(cfg.train.grad_accum_dtype)  # the micro-batches' gradient sum
 
     def loss_fn(params, bias, batch):
         ce, mtp, stats = fmodel.loss_terms(spec, params, bias, batch["inputs"], batch["targets"])
@@ -107,21 +108,21 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def accumulated(params, bias, batch):
-        """grad_fn over the micro-batches: means of losses and float32 gradients, step statistics."""
+        """grad_fn over the micro-batches: means of losses and gradients (summed in `accum`), step statistics."""
         if num_micro == 1:
             return grad_fn(params, bias, batch)
 
         def one(grads_acc, mb):
             mb = {k: jax.lax.with_sharding_constraint(v, data_sh) for k, v in mb.items()}
             (loss, aux), grads = grad_fn(params, bias, mb)
-            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(accum), grads_acc, grads)
             return grads_acc, (loss, aux)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accum), params)
         grads, (loss_N, (ce_N, aux_N, z_N, mtp_N, stats_N)) = jax.lax.scan(
             one, zeros, _micro_batches(batch, num_micro)
         )
-        grads = jax.tree.map(lambda g, p: (g / num_micro).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / num_micro).astype(p.dtype), grads, params)
         stats = {k: merge_micro(v) for k, v in stats_N.items()}
         return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), mtp_N.mean(), stats)), grads
 

@@ -1,9 +1,12 @@
-"""Loss curves of configs/tiny.yaml with float32 and bfloat16 AdamW moments (optimizer.state_dtype), on
-CPU with 8 fake devices; prints 50-step window means and writes every step's loss as JSON.
+"""Loss curves of configs/tiny.yaml with a float32 and a bfloat16 setting of one dtype field, on CPU
+with 8 fake devices; prints 50-step window means and writes every step's loss as JSON.
 
-    PYTHONPATH=$PWD python scripts/bf16_moments_curve.py --steps 300 --out /tmp/bf16_curve
+    PYTHONPATH=$PWD python scripts/bf16_curve.py --steps 300 --out /tmp/bf16_curve    # AdamW moments
+    PYTHONPATH=$PWD python scripts/bf16_curve.py --field train.grad_accum_dtype \
+        --set train.micro_batch_size=2 --steps 300 --out /tmp/accum_curve            # the gradient sum
 
-Results: benchmarks/bf16_moments_cpu.md (the test: tests/test_optimizer.py, marked slow).
+Results: benchmarks/bf16_moments_cpu.md (moments; test: tests/test_optimizer.py, marked slow) and
+benchmarks/grad_accum_cpu.md (the micro-batches' gradient sum).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from xmoe_jax.config import load_config  # noqa: E402
 from xmoe_jax.train.loop import train  # noqa: E402
 
 WINDOW = 50
+FIELDS = ("optimizer.state_dtype", "train.grad_accum_dtype")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--field", choices=FIELDS, default=FIELDS[0], help="the dtype field the two runs differ in")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=pathlib.Path, required=True, help="run directories and losses.json")
     args = p.parse_args()
     losses = {}
@@ -40,7 +46,8 @@ def main() -> None:
                 "train.log_every=50",
                 "checkpoint.enabled=false",
                 "train.tensorboard=false",
-                f"optimizer.state_dtype={dtype}",
+                *args.overrides,
+                f"{args.field}={dtype}",
             ],
         )
         result = train(cfg)
@@ -51,7 +58,7 @@ def main() -> None:
         a, b = f32[lo : lo + WINDOW].mean(), bf16[lo : lo + WINDOW].mean()
         print(f"steps {lo + 1}-{lo + WINDOW}: float32 {a:.4f} bfloat16 {b:.4f} ({(b - a) / a:+.2%})")
     print(f"largest per-step difference {np.abs(f32 - bf16).max():.4f}")
-    (args.out / "losses.json").write_text(json.dumps(losses))
+    (args.out / "losses.json").write_text(json.dumps({"field": args.field, "overrides": args.overrides, **losses}))
 
 
 if __name__ == "__main__":
