@@ -3,7 +3,7 @@ with 8 fake devices; prints 50-step window means and writes every step's loss as
 
     PYTHONPATH=$PWD python scripts/bf16_curve.py --steps 300 --out /tmp/bf16_curve    # AdamW moments
     PYTHONPATH=$PWD python scripts/bf16_curve.py --field train.grad_accum_dtype \
-        --set train.micro_batch_size=2 --steps 300 --out /tmp/accum_curve            # the gradient sum
+        --set train.batch_size=32 --set train.micro_batch_size=8 --steps 300 --out /tmp/accum_curve
 
 Results: benchmarks/bf16_moments_cpu.md (moments; test: tests/test_optimizer.py, marked slow) and
 benchmarks/grad_accum_cpu.md (the micro-batches' gradient sum).
