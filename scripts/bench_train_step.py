@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace) -> dict:
         "overrides": args.overrides,
         "dispatch": cfg.parallel.dispatch if cfg.model.moe else None,
         "capacity_factor": cfg.model.moe.capacity_factor if cfg.model.moe else None,
-        # label every number: the vendors' tables force-balance (moe.force_balance), ours default to learned
+        # label every number: the vendors' tables force-balance (model.moe.force_balance), ours default to learned
         "router": ("force-balanced" if cfg.model.moe.force_balance else "learned") if cfg.model.moe else None,
         "overlap": {
             "overlap": cfg.parallel.overlap,

@@ -10,7 +10,7 @@
 # windows), a profile of steps 60-61 read by scripts/kernel_overlap.py and scripts/step_breakdown.py.
 # TRANSPORT (default exact) is the exchange; if that run fails within its first 240 s (before any
 # training), the same run follows with bucketed. STEPS, REMAT, EXTRA (more --set overrides) change it.
-# The force-balanced row (the vendors' convention; label it): EXTRA='--set moe.force_balance=true'.
+# The force-balanced row (the vendors' convention; label it): EXTRA='--set model.moe.force_balance=true'.
 # The run directory's metrics.jsonl (every 10 steps: buffers, bytes, exchange_rows, bound ratio,
 # imbalance) survives a timeout. Everything lands in $OUT/depth.tgz beside $OUT/table.md.
 set -u
