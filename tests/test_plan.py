@@ -106,9 +106,11 @@ def test_plan_compiles_the_step_the_trainer_runs_first():
             ["optimizer.state_dtype=bfloat16", "model.param_dtype=bfloat16", "train.micro_batch_size=4"],
             {"params": 2, "moments": 4, "gradients": 2, "accumulators": 4},
         ),
+        (["train.micro_batch_size=4", "train.grad_accum_dtype=bfloat16"],
+         {"params": 4, "moments": 8, "gradients": 4, "accumulators": 2}),
         (["mesh.data=8", "mesh.fsdp=true"], {"params": 4, "moments": 8, "gradients": 4, "accumulators": 0}),
     ],
-)
+)  # fmt: skip
 def test_state_bytes_per_param(overrides, want):
     """The state's breakdown from shardings alone (no compile): float32 or bfloat16 moments."""
     import jax

@@ -124,15 +124,19 @@ class Plan:
 def state_bytes_per_param(cfg: Config, state) -> dict[str, float]:
     """The train state in bytes per parameter (per device: sharding cancels out): `params` (their
     dtype), `moments` (AdamW's two, in optimizer.state_dtype, with its step counter), `gradients`
-    (the params' dtype) and `accumulators` (float32 sums of micro-batch gradients with
-    train.micro_batch_size < batch_size, train/step.py; 0 without)."""
+    (the params' dtype) and `accumulators` (sums of micro-batch gradients in train.grad_accum_dtype
+    with train.micro_batch_size < batch_size, train/step.py; 0 without)."""
     count = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
     micro = cfg.train.micro_batch_size
     return {
         "params": _per_device(state.params) / count,
         "moments": _per_device(state.opt) / count,
         "gradients": _per_device(state.params) / count,
-        "accumulators": 4.0 if micro is not None and micro < cfg.train.batch_size else 0.0,
+        "accumulators": (
+            float(np.dtype(jax.numpy.dtype(cfg.train.grad_accum_dtype)).itemsize)
+            if micro is not None and micro < cfg.train.batch_size
+            else 0.0
+        ),
     }
 
 
