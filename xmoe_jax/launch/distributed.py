@@ -345,14 +345,24 @@ def all_gather_text(name: str, value: str) -> list[str]:
 
 
 def barrier(name: str) -> None:
-    """Returns once every process has called it (no-op without `jax.distributed`).
-
-    The trainer passes one after compiling each train step and before running it: a process that
-    compiles slower (a loaded host) would otherwise leave the faster one waiting at the step's first
-    collective, where the CPU collectives (gloo) give up after 30 s."""
+    """Returns once every process has called it (no-op without `jax.distributed`)."""
     client = coordination_client()
     if client is not None:
         client.wait_at_barrier(f"xmoe-barrier-{name}-{next(_uses)}", SYNC_TIMEOUT_S * 1000)
+
+
+def compiled_together(jitted, name: str, *args):
+    """`jitted` as it is with one process; with several, compiled for `args` ahead of its first run,
+    after which every process waits at a barrier. A process that compiles slower (a loaded host)
+    would otherwise leave the faster one waiting at the program's first collective, where the CPU
+    collectives (gloo) give up after 30 s; the compiled program runs as `jitted` would."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jitted
+    compiled = jitted.lower(*args).compile()
+    barrier(name)
+    return compiled
 
 
 def gather_errors(name: str, error: str) -> dict[int, str]:

@@ -11,8 +11,6 @@ Applies to dropless pft/rbd on more than one device (`parallel.adaptive_buffers`
 
 from __future__ import annotations
 
-import jax
-
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import distributed
@@ -39,10 +37,7 @@ class AdaptiveStep:
         if key not in self._compiled:  # one compiled step per rung visited
             spec = model_spec(self.cfg.model, parallel)
             fn = make_train_step(spec, self.optimizer, self.cfg, self.mesh, self.shardings)
-            if jax.process_count() > 1:  # every process compiled before any runs a collective
-                fn = fn.lower(state, batch).compile()
-                distributed.barrier(f"train-step-{key}")
-            self._compiled[key] = fn
+            self._compiled[key] = distributed.compiled_together(fn, f"train-step-{key}", state, batch)
         return self._compiled[key]
 
     def __call__(self, state, batch: dict, step: int):

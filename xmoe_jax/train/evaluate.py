@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError
 from xmoe_jax.data import make_eval_input, provenance
+from xmoe_jax.launch import distributed
 from xmoe_jax.model import functional as fmodel
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import step as tstep
@@ -57,6 +58,7 @@ class Evaluator:
         self._batches = batches
         self._every = cfg.eval.every
         self._step_fn = make_eval_step(spec, cfg, mesh, shardings)
+        self._compiled = None  # _step_fn, compiled on the first run (distributed.compiled_together)
         self._data_sh = tstep.batch_sharding(mesh, cfg)
         self._tokens = cfg.train.batch_size * cfg.train.seq_len * len(batches)
 
@@ -74,7 +76,11 @@ class Evaluator:
         for i in range(len(self._batches)):
             local = self._batches[i]
             batch = {k: jax.make_array_from_process_local_data(self._data_sh, v) for k, v in local.items()}
-            losses.append(self._step_fn(state.params, state.bias, batch))
+            if self._compiled is None:  # several processes: all compiled before any runs a collective
+                self._compiled = distributed.compiled_together(
+                    self._step_fn, "eval-step", state.params, state.bias, batch
+                )
+            losses.append(self._compiled(state.params, state.bias, batch))
         loss = sum(float(x) for x in losses) / len(losses)
         return {
             "step": step,
