@@ -133,7 +133,7 @@ def state_bytes_per_param(cfg: Config, state) -> dict[str, float]:
         "moments": _per_device(state.opt) / count,
         "gradients": _per_device(state.params) / count,
         "accumulators": (
-            float(np.dtype(jax.numpy.dtype(cfg.train.grad_accum_dtype)).itemsize)
+            float(jax.numpy.dtype(cfg.train.grad_accum_dtype).itemsize)
             if micro is not None and micro < cfg.train.batch_size
             else 0.0
         ),

@@ -206,8 +206,9 @@ def gpu_breakdown(
         if cat == "exchange":
             by_kind[collective_kind(k)].append((k.start, k.end))
         if k.name.startswith("Memcpy"):
-            copies[copy_source(k)] += k.end - k.start
-            copy_counts[copy_source(k)] += 1
+            source = copy_source(k)
+            copies[source] += k.end - k.start
+            copy_counts[source] += 1
         busy += k.end - k.start
         stacked += (k.end - k.start) if k.stack is not None else 0.0
         in_graph += (k.end - k.start) if k.hlo_op.startswith("command_buffer") else 0.0
