@@ -183,6 +183,9 @@ def _model(cfg: Config) -> None:
         f"model.scan_unroll={model.scan_unroll} unrolls the layer scan, but model.unroll_layers=true "
         "runs no scan; set model.scan_unroll=1, or model.unroll_layers=false",
     )
+
+
+def _train(cfg: Config) -> None:
     train = cfg.train
     _check(
         train.grad_accum_dtype == "float32"
@@ -191,11 +194,11 @@ def _model(cfg: Config) -> None:
         f"but the batch runs at once (train.micro_batch_size={train.micro_batch_size}, batch_size="
         f"{train.batch_size}); set train.micro_batch_size to a divisor of the batch, or grad_accum_dtype=float32",
     )
-    profile = cfg.train.profile_steps
+    profile = train.profile_steps
     _check(
-        profile is None or profile[0] <= cfg.train.steps,
+        profile is None or profile[0] <= train.steps,
         f"train.profile_steps={list(profile or ())} starts after the last step (train.steps="
-        f"{cfg.train.steps}), so nothing is traced; set train.profile_steps=[1, {min(3, cfg.train.steps)}] "
+        f"{train.steps}), so nothing is traced; set train.profile_steps=[1, {min(3, train.steps)}] "
         "or null",
     )
 
@@ -205,6 +208,7 @@ def check_switches(cfg: Config) -> None:
     _fp8(cfg)
     _parallel(cfg)
     _model(cfg)
+    _train(cfg)
 
 
 def check_mesh_switches(cfg: Config, data_devices: int) -> None:
