@@ -13,7 +13,11 @@ Paths:
   dense          jax.lax.all_to_all of [P, C, D] with C the fullest pair: what the `bucketed`
                  transport moves when its buffer rung is exactly the need;
   exact<k>       our `exact` transport (moe/exchange.py): ragged_all_to_all with k updates per peer;
-  ragged1        the same with one update per peer (XLA's one-shot kernel as one calls it plainly).
+  ragged1        the same with one update per peer (XLA's one-shot kernel as one calls it plainly);
+  push<g>        our `push` kernel (kernels/push/mgpu.py): each GPU writes its rows into its peers'
+                 receive buffers over NVLink from g CTAs (Pallas Mosaic GPU, one process);
+  push<g>x<u>    the same with each peer's rows as u updates (expert-major arrival writes one update
+                 per (peer, local expert)).
 Timing: N back-to-back exchanges inside one compiled loop (JAX) or between two CUDA events (torch),
 for N = 5 and 25; the time of one is (t25 - t5) / 20, so launch and sync costs cancel. Correctness:
 before timing, every JAX path moves random rows of a small case (`--check-rows` per pair) and the
@@ -56,7 +60,7 @@ def routed_bound(m: np.ndarray) -> int:
 # ----------------------------------------------------------------------------------------- JAX
 
 
-def _jax_paths(peers: int, updates: list[int]):
+def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
     """{name: build(m) -> (fn, make_input, wire_bytes)}; fn(x, n) runs n exchanges in one program."""
     import jax
     import jax.numpy as jnp
@@ -104,9 +108,41 @@ def _jax_paths(peers: int, updates: list[int]):
 
         return fn, make, routed_bound(m)  # exactly the routed rows
 
+    def push(m, ctas, pieces):
+        from xmoe_jax.kernels.push import push_rows
+
+        rows = int(max(m.sum(0).max(), m.sum(1).max()))
+        sizes = jnp.asarray(m, jnp.int32)
+        max_piece = -(-int(m.max()) // pieces)
+
+        def body(x_ND, loops):
+            me = jax.lax.axis_index("x")
+            plan = ex.plan_from_sizes(sizes, sizes, me)
+            size_X, src_X = ex.split_updates(plan.send_sizes_P, plan.input_offsets_P, pieces)
+            _, dst_X = ex.split_updates(plan.send_sizes_P, plan.output_offsets_P, pieces)
+            meta_3X = jnp.stack([src_X, size_X, dst_X])
+            step = lambda _, x: push_rows(  # noqa: E731
+                x, meta_3X, out_rows=rows, axis_name="x", num_peers=peers, max_piece=max_piece, num_ctas=ctas
+            )
+            return jax.lax.fori_loop(0, loops, step, x_ND)
+
+        fn = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(spec, PartitionSpec()), out_specs=spec, check_vma=False)
+        )
+
+        def make(key):
+            x = jax.random.normal(key, (peers * rows, D), jnp.bfloat16)
+            return jax.device_put(x, NamedSharding(mesh, spec))
+
+        return fn, make, routed_bound(m)  # exactly the routed rows
+
     paths = {"dense": dense}
     for k in updates:
         paths[f"exact{k}" if k > 1 else "ragged1"] = lambda m, k=k: exact(m, k)
+    for spec_ in push_specs:
+        ctas, _, pieces = spec_.partition("x")
+        name = f"push{spec_}"
+        paths[name] = lambda m, c=int(ctas), u=int(pieces or 1): push(m, c, u)
     return paths, mesh
 
 
@@ -115,14 +151,18 @@ def _check(paths, peers: int, rows: int) -> dict[str, bool]:
     import jax
 
     m = matrix("hot_pair", peers, rows)
-    m[2, 3] = 0  # an empty pair
+    m[min(2, peers - 1), peers - 1] = 0  # an empty pair
     out = {}
     for name, build in paths.items():
         fn, make, _ = build(m)
         x = make(jax.random.key(7))
         got = np.asarray(jax.device_get(fn(x, 1)).astype(np.float32))
         src = np.asarray(jax.device_get(x).astype(np.float32))
-        out[name] = bool(np.array_equal(got, _expected(name, src, m, peers)))
+        want = _expected(name, src, m, peers)
+        if name.startswith("push"):  # the kernel leaves rows no peer sent unwritten: compare the sent ones
+            filled = np.arange(got.shape[0] // peers)[None, :] < m.sum(0)[:, None]  # [dest, row]
+            got, want = got[filled.reshape(-1)], want[filled.reshape(-1)]
+        out[name] = bool(np.array_equal(got, want))
     return out
 
 
@@ -151,7 +191,8 @@ def run_jax(args) -> dict:
     from xmoe_jax.perf.timing import environment
 
     peers = jax.device_count()
-    paths, _ = _jax_paths(peers, [int(k) for k in args.updates.split(",")])
+    push_specs = [p for p in args.push.split(",") if p]
+    paths, _ = _jax_paths(peers, [int(k) for k in args.updates.split(",") if k], push_specs)
     if args.paths:
         paths = {k: v for k, v in paths.items() if k in args.paths.split(",")}
     result = {**environment(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "label": args.label}
@@ -276,6 +317,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16384, help="rows per GPU pair (uniform)")
     p.add_argument("--check-rows", type=int, default=512, help="rows per pair of the correctness case")
     p.add_argument("--updates", default="1,128,512,2048", help="exact: updates per peer to time (1: ragged1)")
+    p.add_argument(
+        "--push", default="", help="push kernel variants to time: CTAs[xUPDATES] each (e.g. 16,32,32x16)"
+    )
     p.add_argument("--paths", default="", help="jax: only these paths (comma-separated names)")
     p.add_argument("--label", default="", help="a name for this run's rows (e.g. the flag variant)")
     p.add_argument("--out", default=None)

@@ -1,0 +1,161 @@
+"""The push exchange as a Pallas Mosaic-GPU kernel: each GPU writes its rows straight into its peers'
+receive buffers over NVLink and signals them; no NCCL, exactly the routed bytes on the wire.
+
+Legend: N send rows, M receive rows, D row width, P peers on the exchange axis, X = P * U updates
+(U per peer; update x goes to peer x // U), G thread blocks (CTAs), B rows per block copy, S stages.
+
+One kernel launch per exchange, on every device of the axis at once (one process drives all GPUs
+of a host: XLA hands each Mosaic kernel its parameters' addresses on every peer, so
+`plgpu.remote_ref(out, peer)` is the peer's receive buffer; jax's collective_matmul_mgpu.py is the
+pattern). Steps, per device:
+  1. update x moves sizes[x] rows, x_ND[src[x]:] -> peer (x // U)'s out_MD[dst[x]:]. Its full
+     B-row blocks are dealt round-robin to the G CTAs; the tail (< B rows) goes to CTA x % G as a
+     ladder of power-of-two copies (B/2, ..., 1 rows), since a copy's shape is static;
+  2. a block goes HBM -> shared memory (a bulk copy, waited on a barrier) -> the peer's HBM (a
+     bulk copy into peer memory); S shared-memory stages keep S - 1 peer writes in flight;
+  3. when a CTA's writes have all landed, it adds 1 to every peer's semaphore; CTA 0 of each
+     device waits for G * P signals (every CTA of every device is done writing to it), so the
+     kernel ends only when its receive buffer is complete.
+Rows of out_MD that no update targets are not written (undefined). Only G CTAs copy, so GEMMs can
+run beside it on the other SMs. XLA runs a cross-device barrier before a kernel that talks to
+peers, so one exchange's writes never reach a buffer a peer still reads from the previous one.
+
+Needs: NVIDIA Hopper or later, one process for all GPUs of the axis (not one per GPU: that needs
+NVSHMEM, which jax 0.11.2's XLA refuses), rows of a multiple of 16 bytes (bulk copies), and
+NVLink multicast is not used. The CPU stand-in with the same semantics is api.py's reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+NUM_CTAS = 32  # CTAs that copy (the rest of the SMs stay free for GEMMs); tuned by bench_exchange.py
+NUM_STAGES = 4  # shared-memory stages per CTA
+BLOCK_BYTES = 32 * 1024  # target bytes per block copy (B rows)
+ROW_ALIGN_BYTES = 16  # bulk copies move multiples of 16 bytes
+
+
+def block_rows(row_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """B: the largest power of two of rows whose copy stays within `block_bytes` (at least 1)."""
+    rows = max(1, block_bytes // max(row_bytes, 1))
+    return 1 << (rows.bit_length() - 1)
+
+
+def _kernel(
+    meta_ref,
+    x_ref,
+    out_ref,
+    smem_ref,
+    bars_ref,
+    *,
+    axis_name,
+    num_peers,
+    updates_per_peer,
+    num_ctas,
+    rows,
+    stages,
+):
+    num_updates = num_peers * updates_per_peer
+    cta = lax.axis_index("cta")
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    def copy(src_row, dst_peer_ref, dst_row, count: int, step):
+        """One bulk copy of `count` (static) rows through stage step % S; returns step + 1."""
+        slot = lax.rem(step, stages)
+        # the store issued from this stage S steps ago must have read its shared memory
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+        smem = smem_ref.at[slot, pl.ds(0, count)]
+        plgpu.copy_gmem_to_smem(
+            x_ref.at[pl.ds(src_row, count)],
+            smem,
+            bars_ref.at[slot],
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )
+        plgpu.barrier_wait(bars_ref.at[slot])
+        plgpu.copy_smem_to_gmem(smem, dst_peer_ref.at[pl.ds(dst_row, count)])
+        return step + 1
+
+    def update(x, step):
+        src, size, dst = meta_ref[0, x], meta_ref[1, x], meta_ref[2, x]
+        peer_out = plgpu.remote_ref(out_ref, {axis_name: x // updates_per_peer})
+        full = size // rows
+        mine = lax.div(jnp.maximum(full - cta, 0) + num_ctas - 1, jnp.int32(num_ctas))
+
+        def block(j, step):
+            b = (cta + j * num_ctas) * rows
+            return copy(src + b, peer_out, dst + b, rows, step)
+
+        step = lax.fori_loop(0, mine, block, step)
+        tail = size - full * rows
+        done = full * rows
+        count = rows // 2
+        while count >= 1:  # the tail as power-of-two copies, by CTA x % G (static ladder)
+            take = (cta == lax.rem(x, num_ctas)) & ((tail & count) != 0)
+            step = lax.cond(
+                take,
+                functools.partial(lambda c, o, s: copy(src + o, peer_out, dst + o, c, s), count, done),
+                lambda s: s,
+                step,
+            )
+            done = done + (tail & count)
+            count //= 2
+        return step
+
+    lax.fori_loop(0, num_updates, update, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every write of this CTA has landed
+    for peer in range(num_peers):
+        pl.semaphore_signal(sem, 1, device_id={axis_name: peer})
+
+    @pl.when(cta == 0)
+    def _():
+        pl.semaphore_wait(sem, num_ctas * num_peers)
+
+
+def push_rows(
+    x_ND: jax.Array,
+    meta_3X: jax.Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    num_peers: int,
+    num_ctas: int = NUM_CTAS,
+    stages: int = NUM_STAGES,
+    block_bytes: int = BLOCK_BYTES,
+) -> jax.Array:
+    """[out_rows, D]: the rows peers pushed here. `meta_3X` int32: rows (src offset, size, dst
+    offset) of the X = P * U updates, update x to peer x // U. Runs inside a shard_map over
+    `axis_name` (P devices), one process driving them all."""
+    num_rows, dim = x_ND.shape
+    row_bytes = dim * jnp.dtype(x_ND.dtype).itemsize
+    if row_bytes % ROW_ALIGN_BYTES:
+        raise ValueError(f"push_rows needs rows of a multiple of {ROW_ALIGN_BYTES} bytes, got {row_bytes}")
+    num_updates = meta_3X.shape[1]
+    if num_updates % num_peers:
+        raise ValueError(f"meta_3X has {num_updates} updates, not a multiple of {num_peers} peers")
+    rows = min(block_rows(row_bytes, block_bytes), 1 << max(num_rows, 1).bit_length() - 1)
+    kernel = functools.partial(
+        _kernel,
+        axis_name=axis_name,
+        num_peers=num_peers,
+        updates_per_peer=num_updates // num_peers,
+        num_ctas=num_ctas,
+        rows=rows,
+        stages=stages,
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((out_rows, dim), x_ND.dtype),
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        scratch_types=[
+            plgpu.SMEM((stages, rows, dim), x_ND.dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        ],
+        kernel_name="xmoe_push",
+    )(meta_3X, x_ND)
