@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -108,7 +109,7 @@ def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
 
         return fn, make, routed_bound(m)  # exactly the routed rows
 
-    def push(m, ctas, pieces):
+    def push(m, ctas, pieces, tuning):
         from xmoe_jax.kernels.push import push_rows
 
         rows = int(max(m.sum(0).max(), m.sum(1).max()))
@@ -122,7 +123,14 @@ def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
             _, dst_X = ex.split_updates(plan.send_sizes_P, plan.output_offsets_P, pieces)
             meta_3X = jnp.stack([src_X, size_X, dst_X])
             step = lambda _, x: push_rows(  # noqa: E731
-                x, meta_3X, out_rows=rows, axis_name="x", num_peers=peers, max_piece=max_piece, num_ctas=ctas
+                x,
+                meta_3X,
+                out_rows=rows,
+                axis_name="x",
+                num_peers=peers,
+                max_piece=max_piece,
+                num_ctas=ctas,
+                **tuning,
             )
             return jax.lax.fori_loop(0, loops, step, x_ND)
 
@@ -139,10 +147,17 @@ def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
     paths = {"dense": dense}
     for k in updates:
         paths[f"exact{k}" if k > 1 else "ragged1"] = lambda m, k=k: exact(m, k)
-    for spec_ in push_specs:
-        ctas, _, pieces = spec_.partition("x")
-        name = f"push{spec_}"
-        paths[name] = lambda m, c=int(ctas), u=int(pieces or 1): push(m, c, u)
+    for spec_ in push_specs:  # CTAS[xUPDATES][bKIB][sSTAGES], e.g. 64, 32x16, 64b64s3
+        parts = re.fullmatch(r"(\d+)(?:x(\d+))?(?:b(\d+))?(?:s(\d+))?", spec_)
+        if parts is None:
+            raise SystemExit(f"--push {spec_!r}: expected CTAS[xUPDATES][bKIB][sSTAGES], e.g. 64x16b64s3")
+        ctas, pieces, kib, stages = parts.groups()
+        tuning = {
+            k: v
+            for k, v in (("block_bytes", kib and int(kib) * 1024), ("stages", stages and int(stages)))
+            if v
+        }
+        paths[f"push{spec_}"] = lambda m, c=int(ctas), u=int(pieces or 1), t=tuning: push(m, c, u, t)
     return paths, mesh
 
 
@@ -318,7 +333,9 @@ def main() -> int:
     p.add_argument("--check-rows", type=int, default=512, help="rows per pair of the correctness case")
     p.add_argument("--updates", default="1,128,512,2048", help="exact: updates per peer to time (1: ragged1)")
     p.add_argument(
-        "--push", default="", help="push kernel variants to time: CTAs[xUPDATES] each (e.g. 16,32,32x16)"
+        "--push",
+        default="",
+        help="push kernel variants: CTAS[xUPDATES][bKIB][sSTAGES] each (e.g. 32,64x16,64b64s3)",
     )
     p.add_argument("--paths", default="", help="jax: only these paths (comma-separated names)")
     p.add_argument("--label", default="", help="a name for this run's rows (e.g. the flag variant)")

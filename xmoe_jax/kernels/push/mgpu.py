@@ -12,7 +12,9 @@ pattern). Steps, per device:
      B-row blocks are dealt round-robin to the G CTAs; the tail (< B rows) goes to CTA x % G as a
      ladder of power-of-two copies (B/2, ..., 1 rows), since a copy's shape is static;
   2. a block goes HBM -> shared memory (a bulk copy, waited on a barrier) -> the peer's HBM (a
-     bulk copy into peer memory); S shared-memory stages keep S - 1 peer writes in flight;
+     bulk copy into peer memory); S shared-memory stages keep the next load and S - 2 peer writes
+     in flight. Each device starts with the updates for peer me + 1 and walks round, so the
+     devices' writes form a rotation instead of all landing on peer 0 first;
   3. when a CTA's writes have all landed, it adds 1 to every peer's semaphore; CTA 0 of each
      device waits for G * P signals (every CTA of every device is done writing to it), so the
      kernel ends only when its receive buffer is complete.
@@ -35,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-NUM_CTAS = 32  # CTAs that copy (the rest of the SMs stay free for GEMMs); tuned by bench_exchange.py
-NUM_STAGES = 4  # shared-memory stages per CTA
+NUM_CTAS = 64  # CTAs that copy (the rest of the SMs stay free for GEMMs); tuned by bench_exchange.py
+NUM_STAGES = 4  # shared-memory stages per CTA (at least 2: one loading while one writes)
 BLOCK_BYTES = 32 * 1024  # target bytes per block copy (B rows)
 ROW_ALIGN_BYTES = 16  # bulk copies move multiples of 16 bytes
 
@@ -63,35 +65,59 @@ def _kernel(
 ):
     num_updates = num_peers * updates_per_peer
     cta = lax.axis_index("cta")
+    me = lax.axis_index(axis_name)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
-    def copy(src_row, dst_peer_ref, dst_row, count: int, step):
-        """One bulk copy of `count` (static) rows through stage step % S; returns step + 1."""
-        slot = lax.rem(step, stages)
-        # the store issued from this stage S steps ago must have read its shared memory
-        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-        smem = smem_ref.at[slot, pl.ds(0, count)]
+    def load(src_row, count: int, slot):
         plgpu.copy_gmem_to_smem(
             x_ref.at[pl.ds(src_row, count)],
-            smem,
+            smem_ref.at[slot, pl.ds(0, count)],
             bars_ref.at[slot],
             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
         )
+
+    def store(slot, count: int, peer_out, dst_row):
         plgpu.barrier_wait(bars_ref.at[slot])
-        plgpu.copy_smem_to_gmem(smem, dst_peer_ref.at[pl.ds(dst_row, count)])
+        plgpu.copy_smem_to_gmem(smem_ref.at[slot, pl.ds(0, count)], peer_out.at[pl.ds(dst_row, count)])
+
+    def blocks(num, src, dst, peer_out, step):
+        """This CTA's `num` full blocks of one update, loads one block ahead of the peer writes."""
+
+        def first(j):
+            return (cta + j * num_ctas) * rows
+
+        @pl.when(num > 0)
+        def _():
+            plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # stage step % S is free
+            load(src + first(0), rows, lax.rem(step, stages))
+
+        def body(j, step):
+            @pl.when(j + 1 < num)
+            def _():  # stage (step + 1) % S: its last write was issued S - 1 writes ago
+                plgpu.wait_smem_to_gmem(stages - 2, wait_read_only=True)
+                load(src + first(j + 1), rows, lax.rem(step + 1, stages))
+
+            store(lax.rem(step, stages), rows, peer_out, dst + first(j))
+            return step + 1
+
+        return lax.fori_loop(0, num, body, step)
+
+    def tail_copy(src_row, dst_row, peer_out, count: int, step):
+        slot = lax.rem(step, stages)
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+        load(src_row, count, slot)
+        store(slot, count, peer_out, dst_row)
         return step + 1
 
-    def update(x, step):
+    def update(i, step):
+        # devices walk the updates from different peers (me + 1 first), so at any moment each GPU
+        # is written by about one other instead of all of them writing to peer 0 together
+        x = lax.rem(i + (me + 1) * updates_per_peer, num_updates)
         src, size, dst = meta_ref[0, x], meta_ref[1, x], meta_ref[2, x]
         peer_out = plgpu.remote_ref(out_ref, {axis_name: x // updates_per_peer})
         full = size // rows
         mine = lax.div(jnp.maximum(full - cta, 0) + num_ctas - 1, jnp.int32(num_ctas))
-
-        def block(j, step):
-            b = (cta + j * num_ctas) * rows
-            return copy(src + b, peer_out, dst + b, rows, step)
-
-        step = lax.fori_loop(0, mine, block, step)
+        step = blocks(mine, src, dst, peer_out, step)
         tail = size - full * rows
         done = full * rows
         count = rows // 2
@@ -99,7 +125,7 @@ def _kernel(
             take = (cta == lax.rem(x, num_ctas)) & ((tail & count) != 0)
             step = lax.cond(
                 take,
-                functools.partial(lambda c, o, s: copy(src + o, peer_out, dst + o, c, s), count, done),
+                functools.partial(lambda c, o, s: tail_copy(src + o, dst + o, peer_out, c, s), count, done),
                 lambda s: s,
                 step,
             )
