@@ -7,12 +7,8 @@ it. Code outside this module asks a record (`transport.layout == "chunked"`, `tr
 never compares transport names (tests/test_transports.py greps for that). Adding a transport is
 adding one entry to `TABLE` (and its name to `config.choices.Transport`).
 
-| transport | layout  | wire   | platforms           | GPU processes  | fallback | auto            |
-|-----------|---------|--------|---------------------|----------------|----------|-----------------|
-| bucketed  | chunked | padded | every               | every layout   | -        | GPU, first      |
-| exact     | compact | exact  | every (CPU: emulated) | one process  | bucketed | never           |
-| ragged    | compact | exact  | cuda, rocm, tpu     | every layout   | emulated | never           |
-| emulated  | compact | padded | every               | every layout   | -        | everywhere, last |
+docs/exchange.md shows the table (`markdown_table()` renders it; tests/test_transports.py keeps
+the two equal).
 
 `auto` is settled once per run at start-up (xmoe_jax/resolve.py) by `choose`: the best-ranked
 transport whose `auto_on` holds the platform and which serves the run's process layout. A transport
@@ -205,3 +201,25 @@ def xla_flags(requested: str) -> dict[str, str]:
     """The XLA flags `requested` needs; `auto`: those of every transport it may pick (see above)."""
     picks = [t for t in TABLE.values() if t.auto_on != ()] if requested == AUTO else [get(requested)]
     return {flag: value for t in picks for flag, value in t.xla_flags}
+
+
+def markdown_table() -> str:
+    """The table as docs/exchange.md shows it."""
+
+    def words(values: tuple[str, ...] | None, every: tuple[str, ...] | None = None) -> str:
+        return "every" if values is None or values == every else ", ".join(values)
+
+    rows = [
+        "| transport | layout | wire | platforms | processes on GPU | XLA preset, flags | fallback | auto |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in TABLE.values():
+        flags = [t.ragged_preset] if t.ragged_preset else []
+        flags += [f"`--{k}={v}`" for k, v in t.xla_flags]
+        auto = "never" if t.auto_on == () else f"{words(t.auto_on)} (rank {t.auto_rank})"
+        rows.append(
+            f"| `{t.name}` | {t.layout} | {t.wire} | {words(t.platforms)} | "
+            f"{words(t.gpu_processes, PROCESS_LAYOUTS)} | {', '.join(flags) or '-'} | "
+            f"{f'`{t.fallback}`' if t.fallback else '-'} | {auto} |"
+        )
+    return "\n".join(rows)
