@@ -68,6 +68,9 @@ def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from xmoe_jax.moe import exchange as ex
+    from xmoe_jax.moe.transports import get
+
+    exact_t = get("exact")  # its mover reads ex.UPDATES_PER_PEER at trace time
 
     mesh = jax.make_mesh((peers,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = PartitionSpec("x")
@@ -96,7 +99,7 @@ def _jax_paths(peers: int, updates: list[int], push_specs: list[str]):
             old = ex.UPDATES_PER_PEER
             ex.UPDATES_PER_PEER = k  # read at trace time
             try:
-                step = lambda _, x: ex.exchange(x, plan, rows, rows, "x", "exact", int(m.max()))  # noqa: E731
+                step = lambda _, x: ex.exchange(x, plan, rows, rows, "x", exact_t, int(m.max()))  # noqa: E731
                 return jax.lax.fori_loop(0, loops, step, x_ND)
             finally:
                 ex.UPDATES_PER_PEER = old

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport, split_updates, wire_bytes
+from xmoe_jax.moe.exchange import Plan, exchange, split_updates, wire_bytes
+from xmoe_jax.moe.transports import choose, get
 
 D = 8  # row width
 N = 32  # send-buffer rows per device
@@ -96,7 +97,7 @@ def _exchange_fn(peers: int, in_rows: int, out_rows: int, reverse: bool = False,
         plan = Plan(*(a[0] for a in plan_arrays))
         if reverse:
             plan = plan.reverse()
-        return exchange(x_ND, plan, out_rows, in_rows, AXIS, transport, MAX_CHUNK)
+        return exchange(x_ND, plan, out_rows, in_rows, AXIS, get(transport), MAX_CHUNK)
 
     spec = PartitionSpec(AXIS)
     fn = jax.shard_map(body, mesh=_mesh(peers), in_specs=(spec,) * 7, out_specs=spec)
@@ -176,24 +177,24 @@ def test_wire_bytes(peers: int, seed: int) -> None:
     row_bytes = D * 4
     for me in range(peers):
         mine = Plan(*(jnp.asarray(a[me]) for a in plan))
-        ragged = wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK)
-        emulated = wire_bytes(mine, jnp.int32(me), row_bytes, "emulated", MAX_CHUNK)
+        ragged = wire_bytes(mine, jnp.int32(me), row_bytes, get("ragged"), MAX_CHUNK)
+        emulated = wire_bytes(mine, jnp.int32(me), row_bytes, get("emulated"), MAX_CHUNK)
         assert float(ragged) == (sizes[me].sum() - sizes[me, me]) * row_bytes  # other peers only
         # decomposed by XLA (parallel.ragged_decomposed): a whole M-row receive buffer per other peer
-        decomposed = wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M, decomposed=True)
+        decomposed = wire_bytes(mine, jnp.int32(me), row_bytes, get("ragged"), MAX_CHUNK, M, decomposed=True)
         assert float(decomposed) == (peers - 1) * M * row_bytes
-        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, "ragged", MAX_CHUNK, M)) == float(ragged)
-        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, "exact", MAX_CHUNK, M)) == float(ragged)
+        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, get("ragged"), MAX_CHUNK, M)) == float(ragged)
+        assert float(wire_bytes(mine, jnp.int32(me), row_bytes, get("exact"), MAX_CHUNK, M)) == float(ragged)
         assert float(emulated) == (peers - 1) * MAX_CHUNK * row_bytes  # every padded chunk
     # a device that sends only to itself puts nothing on the wire with ragged
     only_self = Plan(*(jnp.asarray(a[2]) for a in plan))._replace(
         send_sizes_P=jnp.zeros(peers, jnp.int32).at[2].set(5)
     )
-    assert float(wire_bytes(only_self, jnp.int32(2), row_bytes, "ragged", MAX_CHUNK)) == 0.0
+    assert float(wire_bytes(only_self, jnp.int32(2), row_bytes, get("ragged"), MAX_CHUNK)) == 0.0
 
 
 def test_resolve_transport() -> None:
     assert jax.default_backend() == "cpu"
-    assert resolve_transport("auto") == "emulated"
-    assert resolve_transport("ragged") == "ragged"
-    assert resolve_transport("emulated") == "emulated"
+    assert choose("auto").name == "emulated"
+    assert choose("ragged").name == "ragged"
+    assert choose("emulated").name == "emulated"

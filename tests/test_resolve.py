@@ -14,7 +14,7 @@ import pytest
 from xmoe_jax.config import ParallelConfig, load_config
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
-from xmoe_jax.moe.exchange import resolve_transport
+from xmoe_jax.moe.transports import choose
 from xmoe_jax.resolve import ONE_DEVICE, one_device_overrides, resolve_parallel, resolve_placement
 
 
@@ -26,7 +26,7 @@ def test_auto_transport_becomes_concrete_for_the_backend():
     assert resolve_placement(_cfg(), 1).parallel.transport == "emulated"  # CPU
     assert resolve_placement(_cfg(), 1, backend="gpu").parallel.transport == "bucketed"
     ragged = _cfg("parallel.dispatch=pft", "mesh.expert=2", "parallel.transport=ragged")
-    assert resolve_placement(ragged, 2).parallel.transport == "ragged"
+    assert resolve_placement(ragged, 2, backend="gpu").parallel.transport == "ragged"
 
 
 def test_adaptive_dropless_exchange_starts_on_the_first_rung():
@@ -52,9 +52,9 @@ def test_moe_resolves_transport_without_reading_xla_flags(monkeypatch):
 
     monkeypatch.setattr(xla_flags, "effective_flags", no_flags)
     monkeypatch.setattr(xla_flags, "transport_for", no_flags)
-    assert resolve_transport("auto") == "emulated"
-    assert resolve_transport("auto", "gpu") == "bucketed"
-    assert resolve_transport("ragged", "gpu") == "ragged"
+    assert choose("auto").name == "emulated"
+    assert choose("auto", "cuda").name == "bucketed"
+    assert choose("ragged", "cuda").name == "ragged"
 
 
 def test_resolve_records_whether_the_ragged_exchange_is_decomposed(monkeypatch):

@@ -33,11 +33,11 @@ def test_effective_preset_reads_the_flags():
 
 
 def test_transport_follows_what_took_effect(caplog):
-    assert xla_flags.transport_for("auto", "cpu") == "emulated"
+    assert xla_flags.transport_for("emulated", "cpu") == "emulated"
     with caplog.at_level(logging.WARNING, "xmoe_jax"):
-        # auto is the bucketed dense all-to-all on GPU: no XLA flag involved, nothing to warn about
-        assert xla_flags.transport_for("auto", "gpu", flags="") == "bucketed"
-        assert xla_flags.transport_for("auto", "cuda", flags=DECOMPOSER) == "bucketed"
+        # bucketed (auto on GPU, settled in resolve.py) is a dense all-to-all: no XLA flag involved
+        assert xla_flags.transport_for("bucketed", "gpu", flags="") == "bucketed"
+        assert xla_flags.transport_for("bucketed", "cuda", flags=DECOMPOSER) == "bucketed"
         assert xla_flags.transport_for("ragged", "gpu", flags=DECOMPOSER) == "ragged"
         assert not caplog.records
         assert xla_flags.transport_for("ragged", "gpu", flags="") == "ragged"  # the flag did not apply: warn

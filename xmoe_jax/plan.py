@@ -181,8 +181,11 @@ def as_trained(cfg: Config, shape: MeshShape, on_cpu: bool) -> tuple[Config, lis
             f"receive buffers at {placed.parallel.recv_buffer_factor}x the average load, where adaptive "
             "buffers start (parallel.adaptive_buffers=false plans the fixed factor, null = the worst case)"
         )
-    if on_cpu and cfg.model.moe is not None and cfg.parallel.transport == "auto":
-        notes.append("transport auto compiled as on a GPU (bucketed), not as CPU's emulation")
+    if on_cpu and placed.parallel.transport != cfg.parallel.transport:  # `auto`, settled for a GPU
+        notes.append(
+            f"transport {cfg.parallel.transport} compiled as on a GPU ({placed.parallel.transport}), "
+            "not as on this CPU"
+        )
     return placed, notes
 
 

@@ -2,8 +2,11 @@
 
 The trainer, the evaluator, the generator and the memory planner build their steps from
 `resolve_placement(cfg, exchange_devices)`; the config a run saves keeps what the user wrote. Steps:
-  1. `parallel.transport: auto` becomes the concrete exchange for the backend (`bucketed` on
-     GPU, `emulated` elsewhere: moe/exchange.py's rule); an explicit `ragged` whose XLA flags
+  1. `parallel.transport: auto` becomes the concrete exchange for the platform and the process
+     layout, settled here once from the table of transports (moe/transports.py: `bucketed` on
+     GPU, `emulated` elsewhere); a transport that cannot serve the run's platform or process
+     layout is refused in one line naming its fallback (the record's facts: `exact` with several
+     processes on GPU, `ragged` on CPU); an explicit `ragged` whose XLA flags
      did not take effect is named here, in one warning (xla_flags.transport_for), not while
      tracing; and whether XLA decomposes the ragged all-to-all (the `decomposer` preset in the
      flags the backend started with) is recorded as `parallel.ragged_decomposed`, so moe/ never
@@ -28,7 +31,7 @@ import jax
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError, ParallelConfig
 from xmoe_jax.launch import xla_flags
-from xmoe_jax.moe.exchange import GPU_BACKENDS, resolve_transport
+from xmoe_jax.moe import transports
 from xmoe_jax.moe.ladder import BufferLadder, applies
 
 # dotted key -> value: one device, whatever the run's mesh and placement were
@@ -56,12 +59,19 @@ def exchange_devices(mesh) -> int:
     return sharding.axis_size(mesh, sharding.EXPERT_AXES)
 
 
+def resolve_transport(requested: str, backend: str | None = None) -> transports.Transport:
+    """The record of `parallel.transport=requested` on `backend` (default: JAX's) with this run's
+    process layout: `auto` settled by the table's ranking (moe/transports.choose), the rest as named."""
+    return transports.choose(requested, transports.platform_of(backend), transports.process_layout())
+
+
 def resolve_parallel(parallel: ParallelConfig, backend: str | None = None) -> ParallelConfig:
     """`parallel` with its exchange settled for `backend` (default: JAX's): a concrete transport and
-    the XLA flags' effect on it recorded (step 1 of the module docstring, without the warning)."""
+    the XLA flags' effect on it recorded (step 1 of the module docstring, without the warning or the
+    refusal)."""
     return dataclasses.replace(
         parallel,
-        transport=resolve_transport(parallel.transport, backend),
+        transport=resolve_transport(parallel.transport, backend).name,
         ragged_decomposed=xla_flags.effective_preset() == "decomposer",
     )
 
@@ -73,12 +83,10 @@ def resolve_placement(cfg: Config, num_exchange_devices: int, backend: str | Non
     if cfg.model.moe is None:
         return cfg
     parallel = resolve_parallel(cfg.parallel, backend or jax.default_backend())
-    if parallel.transport == "exact" and jax.process_count() > 1 and jax.default_backend() in GPU_BACKENDS:
-        raise ConfigError(
-            f"parallel.transport=exact runs XLA's one-shot ragged all-to-all kernel, which needs one process "
-            f"for all GPUs of a host; this run has {jax.process_count()} processes (XLA refuses: 'fallback to "
-            "NCCL is not allowed'); use parallel.transport=bucketed (or auto) with one process per GPU"
-        )
+    platform, processes = transports.platform_of(backend), transports.process_layout()
+    why = transports.refusal(transports.get(parallel.transport), platform, processes, jax.process_count())
+    if why:
+        raise ConfigError(why)
     # ragged: one warning if this process's XLA flags did not take effect (a concrete choice passes)
     xla_flags.transport_for(parallel.transport, jax.default_backend())
     ladder = BufferLadder(parallel, applies(cfg, num_exchange_devices))

@@ -11,7 +11,7 @@ count from `Config.validate_for_devices`. The list after the table says why the 
 | model.fp8.experts                        | moe/experts.py grouped/combined GEMMs | dispatch dense/padded (einsum experts), no MoE |
 | model.fp8.dispatch                       | moe/pft.py exchange                  | no exchange: not pft/rbd, auto_shard, 1 expert device (rbd: 1 per node) |
 | model.fp8.projections                    | model/layers.py, moe/experts.dense_mlp | MLA with no dense layer and no shared expert |
-| parallel.transport (not auto)            | moe/exchange.py, moe/layouts.py      | no exchange                                  |
+| parallel.transport (not auto)            | moe/transports.py, moe/layouts.py    | no exchange                                  |
 | parallel.recv_buffer_factor (set)        | moe/pft.py recv_rows, train/buffers  | no exchange                                  |
 | parallel.adaptive_buffers=false, buffer_shrink_after | moe/ladder.applies       | no exchange, or capacity_factor set (drops)  |
 | parallel.overlap_chunks > 1              | moe/dispatchers._in_chunks           | not pft/rbd inside shard_map (auto_shard)    |
@@ -27,7 +27,7 @@ count from `Config.validate_for_devices`. The list after the table says why the 
 
 Accepted, and why (each changes the run, or cannot be decided from the config alone):
 - every `choices.py` literal has a reader for each value: Dispatch (moe/dispatchers.DISPATCHERS),
-  Transport (moe/exchange.resolve_transport, moe/layouts), Overlap (moe/overlap), XlaScheduler
+  Transport (moe/transports.TABLE), Overlap (moe/overlap), XlaScheduler
   (launch/xla_flags; latency_hiding off GPU warns at start-up, train/loop.py: the backend is not
   known here and xmoe-plan plans a GPU run on the CPU), Activation, ScoreFunc, DropPolicy (dropless
   too: the queue order sets the row order, so the weight-gradient sums run in another order),
@@ -110,7 +110,7 @@ def _parallel(cfg: Config) -> None:
     fix = f"set {p}dispatch=pft or rbd with mesh.expert > 1"
     if not exchanges(cfg):
         _check(
-            par.transport == "auto",
+            par.transport == type(par)().transport,  # the default, `auto`
             f"{p}transport={par.transport!r} picks how pft/rbd exchange routed rows, but this run "
             f"exchanges none {where}; {fix}, or {p}transport=auto",
         )

@@ -28,10 +28,10 @@ GPU scheduler presets (`parallel.xla_scheduler`, or XMOE_XLA_SCHEDULER for scrip
                   aborts on unknown flags (jax 0.10.2 does on that one), so they are not set.
 The CLI reads the config before JAX starts and passes `parallel.xla_scheduler` here.
 
-The transport check (`transport_for`, called once at start-up by xmoe_jax/resolve.py) reads
-the flags the running backend started with (`effective_flags`), never what XLA_FLAGS says
-now: if the wanted preset did not take effect, `auto` picks `emulated` (the same dense
-all-to-all the decomposer would run) and an explicit `ragged` stays, each with one warning.
+The transport check (`transport_for`, called once at start-up by xmoe_jax/resolve.py with the
+settled transport) reads the flags the running backend started with (`effective_flags`), never
+what XLA_FLAGS says now, against the facts of the transport's record (moe/transports.py): if the
+wanted preset or a flag the record needs did not take effect, the transport stays, with one warning.
 """
 
 from __future__ import annotations
@@ -89,14 +89,25 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def wanted_preset(preset: str | None = None, transport: str | None = None) -> str:
-    """The ragged all-to-all preset asked for (argument, else XMOE_RAGGED_A2A, else the default for
-    `transport`: XLA's own one-shot kernel for `exact` (and `auto`, which may resolve to it), which
-    feeds it many updates per peer and would be padded by the decomposer; the decomposer otherwise)."""
-    fallback = "default" if transport in ("exact", "auto") else DEFAULT_RAGGED_A2A_PRESET
+    """The ragged all-to-all preset asked for (argument, else XMOE_RAGGED_A2A, else the one
+    `transport` asks for in the table of transports (moe/transports.ragged_preset): XLA's own one-shot
+    kernel for `exact`, which feeds it many updates per peer and would be padded by the decomposer,
+    and for `auto`; the decomposer otherwise)."""
+    fallback = (
+        _transport_facts().ragged_preset(transport) if transport else None
+    ) or DEFAULT_RAGGED_A2A_PRESET
     preset = preset or os.environ.get("XMOE_RAGGED_A2A", fallback)
     if preset not in RAGGED_A2A_PRESETS:
         raise ValueError(f"XMOE_RAGGED_A2A={preset!r} is not one of {sorted(RAGGED_A2A_PRESETS)}")
     return preset
+
+
+def _transport_facts():
+    """The table of transports (moe/transports.py), imported when asked: it loads JAX's modules
+    but starts no backend, so the flags can still be added after it."""
+    from xmoe_jax.moe import transports
+
+    return transports
 
 
 def wanted_scheduler(scheduler: str | None = None) -> str:
@@ -148,15 +159,17 @@ def apply_defaults(
     transport: str | None = None,
 ) -> str:
     """Adds the ragged all-to-all preset's flags (`wanted_preset(preset, transport)`), the scheduler
-    preset's (`wanted_scheduler`) and `extra` to XLA_FLAGS, each unless XLA_FLAGS already sets it
+    preset's (`wanted_scheduler`), the flags the transport's record needs and `extra` to XLA_FLAGS, each unless XLA_FLAGS already sets it
     (the user wins); returns XLA_FLAGS. `transport`: `parallel.transport` (XMOE_TRANSPORT for scripts)."""
-    preset = wanted_preset(preset, transport or os.environ.get("XMOE_TRANSPORT"))
+    transport = transport or os.environ.get("XMOE_TRANSPORT")
+    preset = wanted_preset(preset, transport)
     scheduler = wanted_scheduler(scheduler)
     started = _backend_started()
     if started:
         effective_flags()  # remember what the backend read before adding anything
     flags = os.environ.get("XLA_FLAGS", "")
-    wanted = {**RAGGED_A2A_PRESETS[preset], **SCHEDULER_PRESETS[scheduler], **(extra or {})}
+    needs = _transport_facts().xla_flags(transport) if transport else {}  # the record's own flags
+    wanted = {**RAGGED_A2A_PRESETS[preset], **SCHEDULER_PRESETS[scheduler], **needs, **(extra or {})}
     added = [f"--{k}={v}" for k, v in wanted.items() if k not in _parse(flags)]
     if added and started:
         _warn_late(added)
@@ -180,50 +193,50 @@ def _warn_late(added: list[str]) -> None:
 
 
 def transport_for(requested: str, backend: str, flags: str | None = None) -> str:
-    """The exchange transport for `parallel.transport=requested` on `backend`.
+    """Checks the XLA flags that concrete transport `requested` needs on `backend` against those the
+    backend started with (`flags`, default: `effective_flags()`); returns `requested`.
 
-    `auto` is `bucketed` on GPU (a dense all-to-all of per-peer chunks: no XLA flag involved) and
-    `emulated` elsewhere. An explicit choice is kept; for `ragged` on GPU, a wanted preset
-    (`wanted_preset()`) that did not take effect in `flags` (default: `effective_flags()`) is named
-    in one warning.
+    `auto` is settled before this (xmoe_jax/resolve.py). Off GPU nothing is checked. On GPU, from
+    the record (moe/transports.py): a transport that insists on XLA's own ragged kernel (`exact`)
+    running under another preset, a wanted preset (`wanted_preset()`, for `ragged`) whose flags did
+    not take effect, or a flag of the record's own that did not, is named in one warning.
     """
-    on_gpu = backend in GPU_BACKENDS
-    if requested == "auto":  # the chunked dense all-to-all needs no flag
-        return "bucketed" if on_gpu else "emulated"
-    if not on_gpu or requested in ("emulated", "bucketed"):
+    record = _transport_facts().get(requested)
+    if backend not in GPU_BACKENDS:
         return requested
-    if requested == "exact":
+    parsed = _parse(effective_flags() if flags is None else flags)
+    missing = [f"--{k}={v}" for k, v in record.xla_flags if parsed.get(k) != v]
+    if missing:
+        _warn_once(
+            f"transport:{requested}:flags",
+            f"parallel.transport={requested} needs XLA flag(s) {' '.join(missing)}, which the running "
+            f"backend did not start with; {_FIX.format(flags=' '.join(missing))}",
+        )
+    if record.ragged_preset is None:  # no ragged all-to-all: the preset does not matter
+        return requested
+    if record.ragged_preset == "default":  # insists on XLA's one-shot kernel
         effective = effective_preset(flags)
         if effective != "default":
             _warn_once(
-                "transport:exact",
-                f"parallel.transport=exact feeds XLA's one-shot ragged all-to-all kernel, but the backend "
+                f"transport:{requested}",
+                f"parallel.transport={requested} feeds XLA's one-shot ragged all-to-all kernel, but the backend "
                 f"started with the {effective!r} ragged preset ("
                 + ("the decomposer pads every chunk to the receive buffer on the wire" if effective == "decomposer"
                    else "the NCCL send/recv fallback, which hung in our runs")
-                + "); unset XMOE_RAGGED_A2A and the ragged flags in XLA_FLAGS, or use parallel.transport=bucketed",
+                + f"); unset XMOE_RAGGED_A2A and the ragged flags in XLA_FLAGS, or use parallel.transport={record.fallback}",
             )  # fmt: skip
-        return "exact"
+        return requested
     preset = wanted_preset()
-    parsed = _parse(effective_flags() if flags is None else flags)
     missing = [f"--{k}={v}" for k, v in RAGGED_A2A_PRESETS[preset].items() if parsed.get(k) != v]
-    if not missing:
-        return "ragged"
-    choice = "emulated" if requested == "auto" else "ragged"
-    consequence = (
-        "parallel.transport=auto uses the emulated transport instead (a dense all-to-all, what the "
-        "decomposer would run)"
-        if choice == "emulated"
-        else f"parallel.transport=ragged runs XLA's {effective_preset(flags)!r} ragged all-to-all kernel "
-        "(2.7 GB/s measured, 30x slower than the decomposer)"
-    )
-    _warn_once(
-        f"transport:{choice}",
-        f"XMOE_RAGGED_A2A={preset} needs XLA flag(s) {' '.join(missing)}, which the running backend did "
-        f"not start with (added after it started, or XLA_FLAGS sets them otherwise); {consequence}. "
-        f"To use it: {_FIX.format(flags=' '.join(missing))}",
-    )
-    return choice
+    if missing:
+        _warn_once(
+            f"transport:{requested}",
+            f"XMOE_RAGGED_A2A={preset} needs XLA flag(s) {' '.join(missing)}, which the running backend did "
+            f"not start with (added after it started, or XLA_FLAGS sets them otherwise); "
+            f"parallel.transport={requested} runs XLA's {effective_preset(flags)!r} ragged all-to-all kernel "
+            f"(2.7 GB/s measured, 30x slower than the decomposer). To use it: {_FIX.format(flags=' '.join(missing))}",
+        )
+    return requested
 
 
 def check_scheduler(wanted: str, backend: str, flags: str | None = None) -> bool:

@@ -30,12 +30,12 @@ from xmoe_jax.config import MoEConfig, ParallelConfig
 from xmoe_jax.moe import overlap
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.dense import dense_dispatch
-from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.padded import padded_dispatch
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.rbd import rbd_stages
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import merge_chunks
+from xmoe_jax.moe.transports import choose
 
 
 def _dense(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -> Stages:
@@ -66,7 +66,8 @@ def _pft(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
     axes = sharding.exchange_axes(place.mesh) if place.sharded else None
     peers = sharding.axis_size(place.mesh, axes) if axes else 1
     sizes = (cfg.num_experts, cfg.top_k, x_TD.shape[0], peers, kept.capacity, parallel.recv_buffer_factor)
-    chunked = resolve_transport(parallel.transport) == "bucketed"
+    transport = choose(parallel.transport)  # settled at start-up (resolve.py), or the table's rule
+    chunked = transport.layout == "chunked"
     mean = x_TD.shape[0] * cfg.top_k / (peers if chunked else 1)
     chunk = pair_rows(*sizes) if chunked else None
     spec = ExchangeSpec(cfg.num_experts, cfg.top_k, recv_rows(*sizes), cfg.activation, chunk, mean)
@@ -81,7 +82,7 @@ def _pft(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
             spec,
             axis_name=axes,
             num_peers=peers,
-            transport=resolve_transport(parallel.transport),
+            transport=transport,
             decomposed=parallel.ragged_decomposed,
         )
     )
@@ -105,7 +106,7 @@ def _rbd(x_TD, kept, experts, cfg: MoEConfig, parallel: ParallelConfig, place) -
             local_axis=local_axis,
             num_nodes=num_nodes,
             local_size=local_size,
-            transport=resolve_transport(parallel.transport),
+            transport=choose(parallel.transport),
             recv_buffer_factor=parallel.recv_buffer_factor,
             max_nodes=cfg.topk_groups if parallel.route_groups_by_node else None,
             decomposed=parallel.ragged_decomposed,

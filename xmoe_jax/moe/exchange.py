@@ -13,21 +13,22 @@ argument convention of `jax.lax.ragged_all_to_all`:
 `reverse()` swaps the roles, so the combine path (and every backward pass) sends
 rows back exactly where they came from.
 
-Transports, one function (`exchange`), differentiable through a custom VJP whose
-backward pass is the reverse exchange:
-  exact     `jax.lax.ragged_all_to_all` with each peer's chunk split into
+Transports (moe/transports.py holds their records: platforms, process layouts, flags, wire), one
+function (`exchange`, given a record), differentiable through a custom VJP whose backward pass is
+the reverse exchange. The row movers of the compact ones live here:
+  exact     (`move_exact`) `jax.lax.ragged_all_to_all` with each peer's chunk split into
             `UPDATES_PER_PEER` updates: exactly the routed rows on the wire. XLA's one-shot
             kernel (one process, up to 8 peers of one host) runs one 128-thread block per
             update, so one update per peer starves it (0.08-2.7 GB/s measured); split, it
             moves the routed rows at dense all-to-all speed (benchmarks/exchange.md). Needs
             the `default` ragged preset (launch/xla_flags.py: no decomposer). On CPU, where XLA
             has no ragged all-to-all, the same split plan runs through an exact emulation;
-  ragged    `jax.lax.ragged_all_to_all` with one update per peer, as XLA lowers it under
-            the process's preset (GPU; not implemented on XLA:CPU);
-  emulated  a dense `all_to_all` of per-peer chunks padded to a static bound, then
-            scattered to the same offsets: moves the same rows to the same places,
-            with padding on the wire. Works everywhere; the CPU tests use it.
-The third transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
+  ragged    (`move_ragged`) `jax.lax.ragged_all_to_all` with one update per peer, as XLA lowers
+            it under the process's preset (GPU; not implemented on XLA:CPU);
+  emulated  (`move_emulated`) a dense `all_to_all` of per-peer chunks padded to a static bound,
+            then scattered to the same offsets: moves the same rows to the same places, with
+            padding on the wire. Works everywhere; the CPU tests use it.
+The fourth transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
 fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
 `all_to_all` (layouts.py).
 
@@ -42,14 +43,16 @@ Whether the decomposer is in effect is a placement fact settled before tracing
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from xmoe_jax.kernels.vma import match_vma
 
-GPU_BACKENDS = ("gpu", "cuda", "rocm")  # where `auto` means `bucketed`
+if TYPE_CHECKING:
+    from xmoe_jax.moe.transports import Transport
+
 # updates per peer of the `exact` transport: XLA's one-shot kernel gives each update one
 # 128-thread block; with 512 per peer the 4x H200 probe moved exact bytes at the dense
 # all-to-all's speed (k=1: 25.8 ms, k=128: 1.40-1.53 ms, k>=512: 1.32-1.36 ms for 16,384 rows
@@ -99,17 +102,7 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
     )
 
 
-def resolve_transport(transport: str, backend: str | None = None) -> str:
-    """A concrete transport: `auto` -> `bucketed` on GPU (the fastest measured:
-    benchmarks/exchange.md), `emulated` elsewhere; the others unchanged. The apps settle `auto`
-    once at start-up (xmoe_jax/resolve.py); direct library calls that leave it get the rule for
-    JAX's backend (`backend` None)."""
-    if transport != "auto":
-        return transport
-    return "bucketed" if (backend or jax.default_backend()) in GPU_BACKENDS else "emulated"
-
-
-def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+def move_ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
     del max_chunk
     out_MD = jnp.zeros((out_rows, x_ND.shape[1]), x_ND.dtype)
     return jax.lax.ragged_all_to_all(
@@ -123,7 +116,7 @@ def _ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> 
     )
 
 
-def _emulated(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+def move_emulated(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
     rows_C = jnp.arange(max_chunk, dtype=jnp.int32)
     src_PC = plan.input_offsets_P[:, None] + rows_C[None, :]
     src_PC = jnp.where(rows_C[None, :] < plan.send_sizes_P[:, None], src_PC, x_ND.shape[0])
@@ -161,7 +154,7 @@ def _emulated_ragged(x_ND, out_MD, in_off_X, send_X, out_off_X, recv_X, axis_nam
     return out_MD.at[dst_XC.reshape(-1)].set(pieces_XCD.reshape(num_x * max_piece, -1), mode="drop")
 
 
-def _exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+def move_exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
     updates = min(UPDATES_PER_PEER, max(max_chunk, 1))
     send_X, in_off_X = split_updates(plan.send_sizes_P, plan.input_offsets_P, updates)
     _, out_off_X = split_updates(plan.send_sizes_P, plan.output_offsets_P, updates)
@@ -177,18 +170,17 @@ def _exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> j
     )
 
 
-_TRANSPORTS = {"exact": _exact, "ragged": _ragged, "emulated": _emulated}
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def exchange(x_ND, plan: Plan, out_rows: int, in_rows: int, axis_name: str, transport: str, max_chunk: int):
+def exchange(
+    x_ND, plan: Plan, out_rows: int, in_rows: int, axis_name: str, transport: Transport, max_chunk: int
+):
     """Sends `plan.send_sizes_P[j]` rows of x to each peer j; returns the [out_rows, D] receive buffer.
 
     `max_chunk` bounds the rows one peer sends another (the emulated transport pads to it);
     `in_rows` is x's row count, needed to shape the backward pass's buffer.
     """
     del in_rows
-    return _TRANSPORTS[transport](x_ND, plan, out_rows, axis_name, max_chunk)
+    return transport.move(x_ND, plan, out_rows, axis_name, max_chunk)
 
 
 def _exchange_fwd(x_ND, plan, out_rows, in_rows, axis_name, transport, max_chunk):
@@ -196,7 +188,7 @@ def _exchange_fwd(x_ND, plan, out_rows, in_rows, axis_name, transport, max_chunk
 
 
 def _exchange_bwd(out_rows, in_rows, axis_name, transport, max_chunk, plan, g_MD):
-    g_ND = _TRANSPORTS[transport](g_MD, plan.reverse(), in_rows, axis_name, max_chunk)
+    g_ND = transport.move(g_MD, plan.reverse(), in_rows, axis_name, max_chunk)
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
     return g_ND, zeros
 
@@ -208,27 +200,30 @@ def wire_bytes(
     plan: Plan,
     me: jax.Array,
     row_bytes: int,
-    transport: str,
+    transport: Transport,
     max_chunk: int,
     out_rows: int | None = None,
     decomposed: bool = False,
 ) -> jax.Array:
     """Bytes this device puts on the wire to other peers in one exchange (rows to itself stay local).
 
-    `exact` and `ragged` send exactly the routed rows (`exact`'s CPU emulation pads, but CPU has
-    no wire), or (P-1) whole receive buffers of `out_rows` when XLA
-    decomposes it (`decomposed`: `parallel.ragged_decomposed`); `emulated` sends every padded chunk.
+    A transport whose wire is `exact` (`exact`, `ragged`) sends exactly the routed rows (`exact`'s
+    CPU emulation pads, but CPU has no wire), or (P-1) whole receive buffers of `out_rows` when XLA
+    decomposes its ragged all-to-all (`decomposed`: `parallel.ragged_decomposed`); a `padded` one
+    (`emulated`) sends every padded chunk.
     """
     num_peers = plan.send_sizes_P.shape[0]
-    if transport == "emulated":
+    if transport.wire == "padded":
         rows = jnp.asarray((num_peers - 1) * max_chunk, jnp.float32)
-    elif out_rows is not None and decomposed:
+    elif out_rows is not None and decomposed and transport.ragged_preset is not None:
         rows = jnp.asarray((num_peers - 1) * out_rows, jnp.float32)
     else:
         rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)
     return rows * row_bytes
 
 
-def move_rows(x_ND, plan: Plan, out_rows: int, axis_name: str, transport: str, max_chunk: int) -> jax.Array:
+def move_rows(
+    x_ND, plan: Plan, out_rows: int, axis_name: str, transport: Transport, max_chunk: int
+) -> jax.Array:
     """`exchange` without a VJP, for integer metadata that travels with the rows."""
-    return _TRANSPORTS[transport](x_ND, plan, out_rows, axis_name, max_chunk)
+    return transport.move(x_ND, plan, out_rows, axis_name, max_chunk)

@@ -9,7 +9,7 @@ both layouts decide on device, identically everywhere, which copies fit and wher
 row goes. A copy that does not fit is not sent: it is counted (`num_overflow`) and
 contributes zero (a dropless trainer then reruns the step with bigger buffers).
 
-compact  (transports `ragged`, `emulated`): the send buffer is expert-major [A, D]; each
+compact  (transports `exact`, `ragged`, `emulated`): the send buffer is expert-major [A, D]; each
          destination has a static M-row receive buffer filled in (source, local expert)
          order; one ragged exchange (exchange.py) moves exactly the rows that fit. The
          binding limit is the total a destination receives.

@@ -45,6 +45,7 @@ from xmoe_jax.moe.exchange import exclusive_cumsum
 from xmoe_jax.moe.experts import combined_experts, grouped_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
+from xmoe_jax.moe.transports import Transport
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
@@ -138,7 +139,7 @@ def pft_stages(
     *,
     axis_name: str | None,
     num_peers: int,
-    transport: str,
+    transport: Transport,
     decomposed: bool = False,
 ) -> Stages:
     """The dispatch as stages (stages.py): send_buffer, [exchange, experts, return], combine.

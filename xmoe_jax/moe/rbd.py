@@ -45,6 +45,7 @@ from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, move_rows, plan_fr
 from xmoe_jax.moe.pft import ExchangeSpec, pair_rows, pft_stages, recv_rows
 from xmoe_jax.moe.stages import Stages, prefixed
 from xmoe_jax.moe.stats import exchange_matrix
+from xmoe_jax.moe.transports import Transport
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
@@ -90,19 +91,20 @@ def rbd_stages(
     local_axis: str,
     num_nodes: int,
     local_size: int,
-    transport: str,
+    transport: Transport,
     recv_buffer_factor: float | None,
     max_nodes: int | None = None,
     decomposed: bool = False,
 ) -> Stages:
     """The dispatch as stages (stages.py): pilots, stage1, stage2/<pft stages>, return, combine.
 
-    Returns (y_TD, ExchangeStats) at the end. With the `bucketed` transport stage 2 uses
-    pft's chunked layout and stage 1 the emulated exchange (chunks of T pilots per node pair,
-    the most a node can send another). `max_nodes`: node-limited routing's M (module docstring).
+    Returns (y_TD, ExchangeStats) at the end. Stage 2 runs pft with `transport`; stage 1 with the
+    record's `node_stage()` (a chunked transport such as `bucketed` has no ragged exchange: its
+    stage 1 is the emulated one, chunks of T pilots per node pair, the most a node can send
+    another). `max_nodes`: node-limited routing's M (module docstring).
     `decomposed`: `parallel.ragged_decomposed` (what `ragged` puts on the wire, exchange.py).
     """
-    stage1_transport = "emulated" if transport == "bucketed" else transport
+    stage1_transport = transport.node_stage()
     num_tokens, top_k = topk_idx_TK.shape
     per_node = num_experts // num_nodes
     slots = min(top_k, per_node)
@@ -174,7 +176,7 @@ def rbd_stages(
         num_nodes,
         local_size,
         recv_buffer_factor,
-        transport == "bucketed",
+        transport.layout == "chunked",
     )
     gate_MS = jnp.where(keep_MS, w_pil_MS, 0.0)
     pos_MS = expert_positions(jnp.where(keep_MS, idx_pil_MS, per_node), gate_MS, per_node + 1, "position")

@@ -42,11 +42,11 @@ from xmoe_jax import sharding
 from xmoe_jax.config import ModelConfig, MoEConfig, ParallelConfig
 from xmoe_jax.kernels import default_implementation
 from xmoe_jax.moe import init_moe_params, moe_layer
-from xmoe_jax.moe.exchange import resolve_transport
 from xmoe_jax.moe.params import EXPERT_AXES
 from xmoe_jax.perf import memory_model as mm
 from xmoe_jax.perf.hlo import collective_stats
 from xmoe_jax.perf.timing import time_fn
+from xmoe_jax.resolve import resolve_transport
 
 MiB = 2**20
 
@@ -117,7 +117,7 @@ def estimate(
     sizes = sharding.mesh_shape(mesh)
     if parallel.dispatch == "pft" and not parallel.auto_shard:
         gemm = "ragged_dot" if default_implementation("gmm") == "xla" else "kernel"
-        transport = resolve_transport(parallel.transport)
+        transport = resolve_transport(parallel.transport).name
         return mm.pft_estimate(cfg, parallel, dim, num_tokens, sizes, itemsize, gemm, transport).peak
     if parallel.dispatch == "padded":
         return sum(mm.padded_buffers(cfg, parallel, dim, num_tokens, sizes, itemsize).values())

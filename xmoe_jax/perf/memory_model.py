@@ -37,8 +37,8 @@ sum. It is the larger of two stages (n = expert matrices: 3 SwiGLU, 2 GELU):
   exchange, forward of the combine exchange (peers only):
     receive side      6 * M*D (receive, grouped and output buffers with the zeroed
                       scatter targets XLA materialises early);
-    transport         2 * P*Q*D (emulated: the padded per-peer chunks, Q = T*min(K, L),
-                      sent and received; 0 for the ragged transport);
+    transport         2 * P*Q*D (a compact transport with a padded wire, `emulated`: the padded
+                      per-peer chunks, Q = T*min(K, L), sent and received; 0 for the others);
     send side         5 * A*D;  weights 2n * L*D*F;  output cotangent T*D.
 
 With a grouped-GEMM kernel (the Pallas / Triton / Mosaic backends on GPU: no dense
@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 from xmoe_jax.config import MeshShape, MoEConfig, ParallelConfig
 from xmoe_jax.moe.pft import recv_rows
+from xmoe_jax.moe.transports import get as get_transport
 
 GROUPED_GEMMS = ("ragged_dot", "kernel")
 
@@ -132,6 +133,12 @@ def buffers(s: LayerShapes) -> dict[str, dict[str, int]]:
     }
 
 
+def _pads_chunks(transport: str) -> bool:
+    """Whether `transport` stages padded per-peer chunks beside its compact buffers (`emulated`)."""
+    record = get_transport(transport)
+    return record.layout == "compact" and record.wire == "padded"
+
+
 def stages(s: LayerShapes, grouped_gemm: str = "ragged_dot", transport: str = "emulated") -> dict:
     """{stage: {term: bytes}} of the forward+backward working sets (module docstring)."""
     if grouped_gemm not in GROUPED_GEMMS:
@@ -154,7 +161,7 @@ def stages(s: LayerShapes, grouped_gemm: str = "ragged_dot", transport: str = "e
         chunk = s.tokens * min(s.routed // s.tokens, s.local_experts)
         out["exchange"] = {
             "receive side": 6 * m_d * b,
-            "transport": 2 * s.peers * chunk * s.dim * b if transport == "emulated" else 0,
+            "transport": 2 * s.peers * chunk * s.dim * b if _pads_chunks(transport) else 0,
             "send side": 5 * a_d * b,
             "weights": 2 * n * ldf * b,
             "output cotangent": t_d * b,

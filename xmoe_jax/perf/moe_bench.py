@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xmoe_jax.config import MoEConfig, ParallelConfig
 from xmoe_jax.moe import init_moe_params, moe_layer, placement
-from xmoe_jax.moe.exchange import Plan, exchange, resolve_transport
+from xmoe_jax.moe.exchange import Plan, exchange
 from xmoe_jax.perf.hlo import collective_stats
 from xmoe_jax.perf.timing import time_fn
-from xmoe_jax.resolve import resolve_parallel
+from xmoe_jax.resolve import resolve_parallel, resolve_transport
 from xmoe_jax.sharding import axis_size, exchange_axes
 
 
@@ -104,7 +104,7 @@ def moe_layer_case(
     flops = useful_flops(cfg, dim, num_tokens)
     out = {
         "dispatch": parallel.dispatch,
-        "transport": resolve_transport(parallel.transport),
+        "transport": parallel.transport,  # settled by resolve_parallel
         "recv_buffer_factor": parallel.recv_buffer_factor,
         "capacity_factor": cfg.capacity_factor,
         "skew": skew,
@@ -136,7 +136,7 @@ def exchange_case(
     """One forward exchange with every peer sending `rows_per_pair` rows to every other, vs all_to_all."""
     axes = exchange_axes(mesh)
     peers = axis_size(mesh, axes)
-    transport = resolve_transport(transport)
+    transport = resolve_transport(transport)  # the record
     rows = peers * rows_per_pair
     sizes_P = jnp.full((peers,), rows_per_pair, jnp.int32)
     offs_P = jnp.arange(peers, dtype=jnp.int32) * rows_per_pair
@@ -167,7 +167,7 @@ def exchange_case(
         wire = (peers - 1) * rows_per_pair * dim * jnp.dtype(dtype).itemsize  # per device, off-device rows
         results[name] = {"ms": 1e3 * t, "GBps_per_device": wire / t / 1e9}
     return {
-        "transport": transport,
+        "transport": transport.name,
         "rows_per_pair": rows_per_pair,
         "dim": dim,
         **results,
