@@ -145,6 +145,8 @@ MODE_LAYOUTS: dict[str, list[Layout]] = {
         Layout("dp2-ep4-bucketed", (2, 4, 1, 1), parallel=(("transport", "bucketed"),)),
         # the exact transport's split plan through XLA:CPU's emulation of ragged_all_to_all
         Layout("dp2-ep4-exact", (2, 4, 1, 1), parallel=(("transport", "exact"),), skew=True),
+        # the push kernel's plan (one update per peer) through its XLA reference (kernels/push/xla.py)
+        Layout("dp2-ep4-push", (2, 4, 1, 1), parallel=(("transport", "push"),), skew=True),
         Layout(
             "dp2-ep4-bucketed-2chunks", (2, 4, 1, 1), parallel=(("transport", "bucketed"), ("overlap_chunks", 2))
         ),
@@ -169,6 +171,8 @@ MODE_LAYOUTS: dict[str, list[Layout]] = {
         Layout("ep2-tp4-nodes2-ssmb", (1, 2, 4, 2), parallel=SSMB, slow=True),
         Layout("dp2-ep2-tp2-nodes2", (2, 2, 2, 2)),  # tokens replicated over tensor
         Layout("dp2-ep4-nodes2-exact", (2, 4, 1, 2), skew=True, parallel=(("transport", "exact"),)),  # both stages
+        # push inside the node, the padded all_to_all across nodes (its record's across_nodes)
+        Layout("dp2-ep4-nodes2-push", (2, 4, 1, 2), skew=True, parallel=(("transport", "push"),)),
         Layout("ep8-nodes2-K4-buffer3", (1, 8, 1, 2), cfg="K4", parallel=(("recv_buffer_factor", 3.0),)),
         Layout("dp2-ep4-nodes2-S-cf0.75-probs", (2, 4, 1, 2), cfg="S", capacity=(0.75, "probs"), skew=True),
         Layout("dp2-ep4-nodes2-S-cf0.75-position", (2, 4, 1, 2), cfg="S", capacity=(0.75, "position"), skew=True, slow=True),

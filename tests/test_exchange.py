@@ -86,7 +86,7 @@ def _mesh(peers: int) -> Mesh:
 
 # emulated: the padded dense all-to-all; exact: the split ragged plan (XLA:CPU runs it through
 # the exact emulation of ragged_all_to_all's semantics, update by update)
-TRANSPORTS = ("emulated", "exact")
+TRANSPORTS = ("emulated", "exact", "push")  # push: its XLA reference on CPU
 
 
 @functools.cache

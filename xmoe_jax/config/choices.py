@@ -7,7 +7,7 @@ import typing
 from typing import Literal
 
 Dispatch = Literal["dense", "padded", "pft", "rbd"]
-Transport = Literal["auto", "bucketed", "exact", "ragged", "emulated"]
+Transport = Literal["auto", "bucketed", "exact", "ragged", "emulated", "push"]
 Overlap = Literal["none", "shared", "chunks", "both"]
 XlaScheduler = Literal["default", "latency_hiding"]
 Activation = Literal["swiglu", "gelu"]

@@ -27,8 +27,12 @@ the reverse exchange. The row movers of the compact ones live here:
             it under the process's preset (GPU; not implemented on XLA:CPU);
   emulated  (`move_emulated`) a dense `all_to_all` of per-peer chunks padded to a static bound,
             then scattered to the same offsets: moves the same rows to the same places, with
-            padding on the wire. Works everywhere; the CPU tests use it.
-The fourth transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
+            padding on the wire. Works everywhere; the CPU tests use it;
+  push      (`move_push`) our Pallas Mosaic-GPU kernel (kernels/push): each GPU writes its rows
+            straight into its peers' receive buffers over NVLink and signals them; exactly the
+            routed rows on the wire, no NCCL, few SMs. Receive rows no peer wrote are undefined
+            (nothing reads them). On CPU the kernel's XLA reference runs the same plan.
+The fifth transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
 fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
 `all_to_all` (layouts.py).
 
@@ -168,6 +172,17 @@ def move_exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) 
         cpu=lambda *a: match_vma(_emulated_ragged(*a, axis_name, max_piece), a[0])[0],
         default=lambda *a: match_vma(jax.lax.ragged_all_to_all(*a, axis_name=axis_name), a[0])[0],
     )
+
+
+def move_push(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+    from xmoe_jax.kernels.push import push_rows  # the kernel's module imports Mosaic GPU
+
+    meta_3P = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    num_peers = plan.send_sizes_P.shape[0]
+    out_MD = push_rows(
+        x_ND, meta_3P, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_chunk
+    )
+    return match_vma(out_MD, x_ND)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))

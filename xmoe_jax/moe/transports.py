@@ -34,7 +34,7 @@ from typing import Literal
 
 import jax
 
-from xmoe_jax.moe.exchange import move_emulated, move_exact, move_ragged
+from xmoe_jax.moe.exchange import move_emulated, move_exact, move_push, move_ragged
 
 AUTO = "auto"  # the request, not a transport: settled by `choose`
 GPUS = ("cuda", "rocm")
@@ -112,6 +112,18 @@ TABLE: dict[str, Transport] = {
             platforms=(*GPUS, "tpu"),
             ragged_preset="decomposer",
             fallback="emulated",
+        ),
+        Transport(
+            "push",
+            layout="compact",
+            wire="exact",
+            move=move_push,
+            runs="our Pallas Mosaic-GPU kernel, which writes rows into the peers' receive buffers "
+            "(NVIDIA Hopper; the peers' addresses reach one process only, without NVSHMEM)",
+            platforms=("cuda", "cpu"),  # on CPU its XLA reference runs the same plan (the tests)
+            gpu_processes=(ONE,),
+            fallback="bucketed",
+            across_nodes="emulated",
         ),
         Transport(
             "emulated",

@@ -1,0 +1,124 @@
+"""The push exchange kernel (xmoe_jax/kernels/push): its reference, its Mosaic-GPU lowering, its refusals.
+
+The kernel itself writes into other GPUs' memory, which no CPU can run (JAX's GPU interpret mode has no
+remote refs or semaphores): on CPU its plan runs through the XLA reference, which tests/test_exchange.py
+and the oracle suite (tests/test_dispatch_oracle.py, `push` layouts) check against NumPy and the dense
+oracle; scripts/bench_exchange.py checks the kernel bit for bit against NumPy on GPUs. Here: the
+reference with several updates per peer, and the kernel lowered to Mosaic GPU for CUDA on this CPU
+(`jax.export`), which catches every tracing and lowering error before a GPU is involved.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from xmoe_jax.kernels import platform
+from xmoe_jax.kernels.push import mgpu, push_rows
+
+PEERS, N, M, D, U = 4, 24, 30, 16, 3
+AXIS = "expert"
+
+
+def _mesh():
+    return jax.make_mesh((1, PEERS), ("data", AXIS), axis_types=(AxisType.Explicit,) * 2)
+
+
+def _meta(rng):
+    """Per device U updates per peer, each a random (src, size, dst) that keeps inside the buffers."""
+    size = rng.integers(0, 3, (PEERS, PEERS * U)).astype(np.int32)
+    size[1] = 0  # device 1 sends nothing
+    src = np.zeros_like(size)
+    dst = np.zeros_like(size)
+    for s in range(PEERS):
+        src[s] = np.cumsum(size[s]) - size[s] + rng.integers(0, 2)  # a gap at the front
+    for d in range(PEERS):
+        pos = 0
+        for s in range(PEERS):  # receivers stack what each source's U updates bring them
+            for u in range(U):
+                x = d * U + u
+                dst[s, x] = pos
+                pos += size[s, x]
+    return np.stack([src, size, dst], axis=1)  # [device, 3, X]
+
+
+def test_reference_puts_every_update_where_its_plan_says():
+    rng = np.random.default_rng(0)
+    meta = _meta(rng)
+    x = rng.standard_normal((PEERS, N, D)).astype(np.float32)
+    mesh = _mesh()
+    on_axis = NamedSharding(mesh, PartitionSpec(AXIS))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x, m: push_rows(x, m[0], out_rows=M, axis_name=AXIS, num_peers=PEERS, max_piece=2),
+            mesh=mesh,
+            in_specs=(PartitionSpec(AXIS), PartitionSpec(AXIS)),
+            out_specs=PartitionSpec(AXIS),
+        )
+    )
+    got = np.asarray(fn(jax.device_put(x.reshape(-1, D), on_axis), jax.device_put(meta, on_axis))).reshape(
+        PEERS, M, D
+    )
+    want = np.zeros_like(got)
+    for s in range(PEERS):
+        for xi in range(PEERS * U):
+            src, size, dst = meta[s, :, xi]
+            want[xi // U, dst : dst + size] = x[s, src : src + size]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_lowers_to_mosaic_gpu_for_cuda_on_this_cpu():
+    mesh = _mesh()
+
+    def body(x, m):
+        return mgpu.push_rows(x, m[0], out_rows=600, axis_name=AXIS, num_peers=PEERS, num_ctas=8)
+
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(PartitionSpec(AXIS),) * 2,
+            out_specs=PartitionSpec(AXIS),
+            check_vma=False,
+        )
+    )
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(AXIS)))
+
+    exported = jax.export.export(fn, platforms=["cuda"])(
+        arg((PEERS * 512, 2048), jnp.bfloat16), arg((PEERS, 3, PEERS * 2), jnp.int32)
+    )
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_rows_that_bulk_copies_cannot_move_are_refused_by_name():
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        mgpu.push_rows(
+            jnp.zeros((8, 3), jnp.bfloat16),
+            jnp.zeros((3, 4), jnp.int32),
+            out_rows=8,
+            axis_name=AXIS,
+            num_peers=4,
+        )
+
+
+def test_block_rows_are_a_power_of_two_within_the_block_bytes():
+    assert mgpu.block_rows(4096) == 8  # 2048 bf16: 8 rows of 4 KiB in 32 KiB
+    assert mgpu.block_rows(3000) == 8
+    assert mgpu.block_rows(1 << 20) == 1  # a row wider than a block still moves, one at a time
+
+
+def test_platforms_without_the_kernel_are_refused_naming_the_fallback():
+    with platform.target("rocm"), pytest.raises(ValueError, match="parallel.transport=bucketed"):
+        push_rows(
+            jnp.zeros((8, 16)),
+            jnp.zeros((3, 4), jnp.int32),
+            out_rows=8,
+            axis_name=AXIS,
+            num_peers=4,
+            max_piece=2,
+        )
