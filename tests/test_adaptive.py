@@ -260,3 +260,14 @@ def test_micro_batch_statistics_keep_buffer_peaks_as_maxima(tmp_path):
 def _one_step(cfg):
     tokens = jax.random.randint(jax.random.key(0), (16, 16), 0, 256)
     return trainer_parts.one_step(cfg, tokens, tokens)
+
+
+def test_push_keeps_one_receive_buffer_grown_rarely_never_shrunk():
+    """The push transport's record says its buffers do not shrink: after a grow, quiet steps move nothing,
+    so a run settles on one buffer (one compiled step) instead of a recompile at every shrink."""
+    ladder = BufferLadder(ParallelConfig(dispatch="pft", transport="push", buffer_shrink_after=3), active=True)
+    ladder.grow(step=1, overflow=5, peak_ratio=1.6)
+    assert ladder.factor == 1.75 and ladder.changes == 1
+    for step in range(2, 40):
+        ladder.observe(step, peak_ratio=1.0)
+    assert ladder.factor == 1.75 and ladder.changes == 1

@@ -18,6 +18,8 @@ many copies did not fit. The rules:
      holds the largest peak of those steps with that margin: one recompilation, not one per
      rung, and a transient spike costs tens of steps at a bigger size, not the rest of the run.
   3. every change is logged (step, old and new factor, why) and counted.
+A transport whose record says its buffers do not shrink (`push`: one receive buffer per run,
+moe/transports.py) only grows, rarely: in steady state it never recompiles.
 
 Bookkeeping on the host (no arrays): the trainer, the placement resolver and the benchmarks use it.
 """
@@ -28,6 +30,7 @@ import dataclasses
 import logging
 
 from xmoe_jax.config import Config, ParallelConfig
+from xmoe_jax.moe import transports
 from xmoe_jax.moe.dispatchers import exchanges_tokens
 
 log = logging.getLogger("xmoe_jax")
@@ -77,7 +80,10 @@ class BufferLadder:
         start = parallel.recv_buffer_factor if parallel.recv_buffer_factor is not None else DEFAULT_START
         self.index = _rung_index(start) if active else -1
         self.base = parallel
-        self.shrink_after = parallel.buffer_shrink_after
+        # a transport that keeps one buffer per run only grows (settled transports only: `auto` is
+        # resolved before any ladder is built, resolve.py)
+        shrinks = parallel.transport == "auto" or transports.get(parallel.transport).buffers_shrink
+        self.shrink_after = parallel.buffer_shrink_after if shrinks else None
         self.quiet = 0  # steps in a row whose peak fits a smaller rung
         self.quiet_peak = 0.0  # the largest peak of those steps
         self.changes = 0
@@ -110,7 +116,7 @@ class BufferLadder:
     def observe(self, step: int, peak_ratio: float) -> None:
         """A step fit; after `shrink_after` steps in a row that fit a smaller rung, move down to the
         smallest rung that holds all their peaks with `SHRINK_MARGIN` to spare."""
-        if self.index == 0:
+        if self.index == 0 or self.shrink_after is None:
             return
         target = _rung_index(peak_ratio / SHRINK_MARGIN)
         if target >= self.index:

@@ -67,6 +67,7 @@ class Transport:
     across_nodes: str | None = None  # rbd's cross-node stage (a compact exchange): None = itself
     auto_on: tuple[str, ...] | None = ()  # platforms where `auto` may pick it (None: every one)
     auto_rank: int = 0  # among those, the lowest wins
+    buffers_shrink: bool = True  # the buffer ladder may shrink its buffers (False: grows only, rarely)
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
@@ -124,6 +125,7 @@ TABLE: dict[str, Transport] = {
             gpu_processes=(ONE,),
             fallback="bucketed",
             across_nodes="emulated",
+            buffers_shrink=False,  # one receive buffer per run: grown on overflow, never shrunk
         ),
         Transport(
             "emulated",
