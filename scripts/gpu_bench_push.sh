@@ -4,12 +4,19 @@
 #
 #   bash scripts/gpu_bench_push.sh                 # about 4 minutes on 2 or 4 GPUs
 #
-# Steps: a small correctness-first run of the Mosaic kernel alone (checked bit for bit against NumPy,
+#   PARTS="scaling" bash scripts/gpu_bench_push.sh # the train step only (about 7 minutes on 4 GPUs)
+#
+# Part `exchange` (default PARTS="exchange scaling"): a small correctness-first run of the Mosaic kernel alone (checked bit for bit against NumPy,
 # 60 s limit, so a hang costs a minute); then scripts/bench_exchange.py at 16,384 rows x 2048 bf16 per
 # pair, uniform / hot pair / hot receiver: JAX's dense all_to_all, our `exact` (512 updates per peer),
 # push at $PUSH (CTAs[xUPDATES per peer]), and NCCL's all_to_all_single through torch, one table.
-# CPU dry run (tiny rows, fake devices; push runs its XLA reference there, the torch row fails):
-#   OUT=/tmp/dry ROWS=64 CHECK_ROWS=16 XLA_FLAGS=--xla_force_host_platform_device_count=4 bash scripts/gpu_bench_push.sh
+# Part `scaling`: weak scaling of the Small shapes x 4 layers (configs/tiny_small_shape.yaml) at 64k tokens
+# per GPU, $STEPS steps: 1 GPU, then N GPUs (EP N) with `bucketed` and with `push`; every step's loss in
+# the JSON (push and bucketed must train alike).
+# CPU dry run (tiny rows and shapes, fake devices; push runs its XLA reference there, the torch row fails):
+#   OUT=/tmp/dry ROWS=64 CHECK_ROWS=16 STEPS=3 MATMUL_SIZE=256 XLA_FLAGS=--xla_force_host_platform_device_count=4
+#   SHAPES="--set model.hidden=64 --set model.num_heads=2 --set model.head_dim=32 --set model.moe.expert_hidden=32
+#   --set model.vocab_size=256 --set train.seq_len=32 --set model.scan_unroll=1" bash scripts/gpu_bench_push.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 N=${N:-$(python3 -c 'import jax; print(jax.device_count())' 2>/dev/null || echo 2)}
@@ -18,12 +25,29 @@ ROWS=${ROWS:-16384}
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nvidia-smi topo -m
   git log -1 --format='commit %H %cs' 2>/dev/null; python3 -c 'import jax; print("jax", jax.__version__)'; date -u
 } > "$OUT/env.txt" 2>&1
-step push_quick 60 python3 scripts/bench_exchange.py jax --rows 1024 --check-rows "${CHECK_ROWS:-512}" --updates "" \
-  --push 32 --out "$OUT/push_quick.json"
-step ex_jax 240 python3 scripts/bench_exchange.py jax --rows "$ROWS" --check-rows "${CHECK_ROWS:-512}" --updates 512 \
-  --push "$PUSH" --out "$OUT/ex_jax.json"
-step ex_torch 120 python3 -m torch.distributed.run --nproc_per_node "$N" scripts/bench_exchange.py torch \
-  --rows "$ROWS" --out "$OUT/ex_torch.json"
-python3 scripts/bench_exchange.py table "$OUT"/ex_*.json > "$OUT/table.md" 2>&1
-cat "$OUT/steps.txt" "$OUT/table.md"
-tail -5 "$OUT/push_quick.log"
+run_exchange() {
+  step push_quick 60 python3 scripts/bench_exchange.py jax --rows 1024 --check-rows "${CHECK_ROWS:-512}" --updates "" \
+    --push 32 --out "$OUT/push_quick.json"
+  step ex_jax 240 python3 scripts/bench_exchange.py jax --rows "$ROWS" --check-rows "${CHECK_ROWS:-512}" --updates 512 \
+    --push "$PUSH" --out "$OUT/ex_jax.json"
+  step ex_torch 120 python3 -m torch.distributed.run --nproc_per_node "$N" scripts/bench_exchange.py torch \
+    --rows "$ROWS" --out "$OUT/ex_torch.json"
+  python3 scripts/bench_exchange.py table "$OUT"/ex_*.json > "$OUT/table.md" 2>&1
+}
+ts() {  # name timeout gpus overrides...: one bench_train_step run on the first `gpus` GPUs
+  local name=$1 limit=$2 n=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) train_step "$name" "$limit" "${STEPS:-15}" configs/tiny_small_shape.yaml \
+    --log-every 5 --set mesh.expert="$n" --set mesh.data=1 --set train.batch_size=$((${BATCH_PER_GPU:-32} * n)) \
+    --set parallel.dispatch=pft --set train.tensorboard=false "$@"
+}
+for part in ${PARTS:-exchange scaling}; do
+  case $part in
+    exchange) run_exchange ;;
+    scaling)
+      ts ws_1gpu 150 1
+      ts ws_bucketed 170 "$N" --set parallel.transport=bucketed
+      ts ws_push 170 "$N" --set parallel.transport=push ;;
+  esac
+done
+summary
+[ -f "$OUT/table.md" ] && cat "$OUT/table.md"
