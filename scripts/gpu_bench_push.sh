@@ -13,6 +13,9 @@
 # Part `scaling`: weak scaling of the Small shapes x 4 layers (configs/tiny_small_shape.yaml) at 64k tokens
 # per GPU, $STEPS steps: 1 GPU, then N GPUs (EP N) with `bucketed` and with `push`; every step's loss in
 # the JSON (push and bucketed must train alike).
+# Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
+# EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
+# logged every 10 (the windows show what buffer changes and their recompiles cost).
 # CPU dry run (tiny rows and shapes, fake devices; push runs its XLA reference there, the torch row fails):
 #   OUT=/tmp/dry ROWS=64 CHECK_ROWS=16 STEPS=3 MATMUL_SIZE=256 XLA_FLAGS=--xla_force_host_platform_device_count=4
 #   SHAPES="--set model.hidden=64 --set model.num_heads=2 --set model.head_dim=32 --set model.moe.expert_hidden=32
@@ -47,6 +50,10 @@ for part in ${PARTS:-exchange scaling}; do
       ts ws_1gpu 150 1
       ts ws_bucketed 170 "$N" --set parallel.transport=bucketed
       ts ws_push 170 "$N" --set parallel.transport=push ;;
+    depth_*)
+      train_step "$part" 560 "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 --set mesh.expert="$N" \
+        --set mesh.data=1 --set train.batch_size=$((32 * N)) --set train.micro_batch_size=$((8 * N)) \
+        --set model.remat=save_exchange --set train.tensorboard=false --set parallel.transport="${part#depth_}" ;;
   esac
 done
 summary
