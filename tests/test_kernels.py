@@ -195,6 +195,16 @@ def with_examples(fn):
     return fn
 
 
+def assert_tail_not_stored(impl, out, total: int) -> None:
+    """Rows past sum(group_sizes) are neither computed nor stored (gmm/api.py): XLA's reference gives
+    zeros there, Pallas interpret mode leaves its NaN-initialised output as it was."""
+    tail = f64(out)[total:]
+    if impl == "xla":
+        assert not np.any(tail), "XLA's rows past sum(group_sizes) are zeros"
+    elif impl == "pallas" and platform() == "cpu":
+        assert np.all(np.isnan(tail)), "a row past sum(group_sizes) was stored"
+
+
 @pytest.mark.parametrize("impl", BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @SETTINGS
@@ -205,9 +215,9 @@ def test_gmm_matches_numpy(impl, dtype, group_sizes, seed):
     gs = jnp.asarray(group_sizes, jnp.int32)
     out = gmm_fn(impl)(lhs, rhs, gs)
     assert out.shape == (R, N) and out.dtype == dtype
-    want = gmm_ref(lhs, rhs, group_sizes)
-    assert rel_err(out, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
-    assert np.all(f64(out)[sum(group_sizes) :] == 0), "rows past sum(group_sizes) must be zero"
+    want, total = gmm_ref(lhs, rhs, group_sizes), sum(group_sizes)
+    assert rel_err(f64(out)[:total], want[:total]) < (1e-5 if dtype == jnp.float32 else 1e-2) or not total
+    assert_tail_not_stored(impl, out, total)
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
@@ -247,7 +257,7 @@ def test_gmm_transpose_rhs_and_its_gradients(impl):
     lhs, rhs_ENK, cot = randn(11, (R, K)), randn(12, (E, N, K)), randn(13, (R, N))
     rhs_EKN = jnp.swapaxes(rhs_ENK, 1, 2)
     f = jax.jit(lambda x, w: gmm(x, w, gs, implementation=impl, tile=TILE, transpose_rhs=True))
-    assert rel_err(f(lhs, rhs_ENK), gmm_ref(lhs, rhs_EKN, sizes)) < 1e-5
+    assert rel_err(f(lhs, rhs_ENK)[:48], gmm_ref(lhs, rhs_EKN, sizes)[:48]) < 1e-5
     got = jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1))(lhs, rhs_ENK)
     want = jax.grad(lambda x, w: jnp.sum(gmm_jnp(x, jnp.swapaxes(w, 1, 2), gs) * cot), (0, 1))(lhs, rhs_ENK)
     for a, b in zip(got, want, strict=True):
@@ -278,7 +288,7 @@ def test_preferred_element_type_and_bf16_gradients(impl):
     lhs, rhs = randn(4, (R, K), jnp.bfloat16), randn(5, (E, K, N), jnp.bfloat16)
     out = gmm_fn(impl, jnp.float32)(lhs, rhs, gs)
     assert out.dtype == jnp.float32
-    assert rel_err(out, gmm_ref(lhs, rhs, [20, 0, 13, 11])) < 1e-5  # f32 accumulation, f32 output
+    assert rel_err(out[:44], gmm_ref(lhs, rhs, [20, 0, 13, 11])[:44]) < 1e-5  # f32 accumulation, f32 output
     dlhs, drhs = jax.grad(
         lambda x, w: jnp.sum(gmm(x, w, gs, implementation=impl, tile=TILE).astype(jnp.float32)), (0, 1)
     )(lhs, rhs)
@@ -359,6 +369,187 @@ def test_permute_accepts_dest_as_TK_and_bf16():
     assert np.array_equal(f64(flat), permute_ref(x, dest, T * TOP_K))  # a permutation is exact
 
 
+# ---------------------------------------------------------------- row-indexed gmm / tgmm (gather on load, scatter on store)
+#
+# Grouped row r reads lhs row src[r] and writes output row dst[r] (gmm/api.py). L lhs rows and O
+# output rows differ from the R grouped rows; indices are random permutations (one case reads an
+# out-of-range lhs row, which reads zeros). Shapes are fixed so each backend compiles once.
+
+L_ROWS, O_ROWS = 70, 80
+INDEX_CASES = [  # group sizes: uneven, all in one, empty, zero-row group at the end, empty groups
+    [5, 0, 31, 20],
+    [R, 0, 0, 0],
+    [0, 0, 0, 0],
+    [13, 9, 17, 0],
+    [0, 17, 0, 3],
+]
+INDEX_MODES = {"gather": (True, False), "scatter": (False, True), "both": (True, True)}
+
+
+def indexed_case(case: int, distinct: bool = True):
+    """(group sizes, src [R] into L rows, dst [R] into O rows) for one case; src repeats rows
+    (each lhs row read up to 3 times, like a token's K copies) when not `distinct`."""
+    rng = np.random.default_rng(100 + case)
+    src = rng.permutation(L_ROWS)[:R] if distinct else rng.integers(0, R // 3, R)
+    if case == 0 and distinct:
+        src[1] = L_ROWS + 4  # out of range: reads zeros
+    return INDEX_CASES[case], src.astype(np.int32), rng.permutation(O_ROWS)[:R].astype(np.int32)
+
+
+def indexed_gmm_ref(lhs, rhs, group_sizes, src, dst, num_out):
+    """float64: out[dst[r]] = lhs[src[r]] @ rhs[group(r)]; also which output rows are written."""
+    lhs, rhs = f64(lhs), f64(rhs)
+    rows = np.arange(R) if src is None else src
+    lhs_R = np.where(
+        ((rows >= 0) & (rows < lhs.shape[0]))[:, None], lhs[np.clip(rows, 0, lhs.shape[0] - 1)], 0
+    )
+    out_R = gmm_ref(lhs_R, rhs, group_sizes)
+    total = sum(group_sizes)
+    dest = np.arange(R) if dst is None else dst
+    out = np.zeros((num_out, rhs.shape[2]))
+    out[dest[:total]] = out_R[:total]
+    written = np.zeros(num_out, bool)
+    written[dest[:total]] = True
+    return out, written
+
+
+def indexed_gmm_jnp(lhs, rhs, group_sizes, src, dst, num_out):
+    """Differentiable reference: one-hot gather and scatter matrices around gmm_jnp."""
+    gather_RL = jax.nn.one_hot(src, lhs.shape[0], dtype=lhs.dtype)  # out-of-range rows: zeros
+    out_RN = gmm_jnp(jnp.dot(gather_RL, lhs, precision="highest"), rhs, group_sizes)
+    return jnp.dot(jax.nn.one_hot(dst, num_out, dtype=lhs.dtype).T, out_RN, precision="highest")
+
+
+@functools.cache
+def indexed_gmm_fn(impl, gather, scatter, zero_unwritten):
+    def f(x, w, gs, src, dst):
+        rows = dict(lhs_rows_R=src if gather else None, out_rows_R=dst if scatter else None)
+        num_out = O_ROWS if scatter else None
+        return gmm(
+            x,
+            w,
+            gs,
+            **rows,
+            num_out_rows=num_out,
+            zero_unwritten=zero_unwritten,
+            implementation=impl,
+            tile=TILE,
+        )
+
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("mode", list(INDEX_MODES))
+def test_indexed_gmm_matches_numpy(impl, mode):
+    gather, scatter = INDEX_MODES[mode]
+    for case in range(len(INDEX_CASES)):
+        sizes, src, dst = indexed_case(case)
+        lhs, rhs = randn(case, (L_ROWS if gather else R, K)), randn(case + 1, (E, K, N))
+        gs = jnp.asarray(sizes, jnp.int32)
+        num_out = O_ROWS if scatter else R
+        want, written = indexed_gmm_ref(
+            lhs, rhs, sizes, src if gather else None, dst if scatter else None, num_out
+        )
+        for zero_unwritten in (True, False):
+            out = indexed_gmm_fn(impl, gather, scatter, zero_unwritten)(lhs, rhs, gs, src, dst)
+            assert out.shape == (num_out, N)
+            got = f64(out)
+            assert rel_err(got[written], want[written]) < 1e-5 or not np.any(want[written]), (
+                case,
+                zero_unwritten,
+            )
+            if zero_unwritten:
+                assert not np.any(got[~written]), f"case {case}: unwritten rows must be zeros"
+            elif impl == "pallas" and platform() == "cpu":  # interpret mode's outputs start as NaN
+                assert np.all(np.isnan(got[~written])), f"case {case}: a row nobody owns was stored"
+
+
+@functools.cache
+def indexed_grad_fns(impl, distinct):
+    def loss(f, x, w, gs, src, dst, cot):
+        return jnp.sum(f(x, w, gs, src, dst) * cot)
+
+    def ours(x, w, gs, src, dst):
+        return gmm(
+            x, w, gs, lhs_rows_R=src, out_rows_R=dst, num_out_rows=O_ROWS, distinct_rows=distinct,
+            implementation=impl, tile=TILE,
+        )  # fmt: skip
+
+    def ref(x, w, gs, src, dst):
+        return indexed_gmm_jnp(x, w, gs, src, dst, O_ROWS)
+
+    grad = jax.grad(loss, argnums=(1, 2))  # d x, d w
+    return (
+        jax.jit(lambda *a: grad(ours, *a)),
+        jax.jit(lambda *a: grad(ref, *a)),
+    )
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+@pytest.mark.parametrize("distinct", [True, False], ids=["distinct", "repeated"])
+def test_indexed_gmm_gradients_match_jax_grad_of_reference(impl, distinct):
+    """d lhs: a scattered gmm into lhs's rows (distinct) or grouped + scatter-add (repeated)."""
+    ours, ref = indexed_grad_fns(impl, distinct)
+    for case in (0, 1, 3, 4):
+        sizes, src, dst = indexed_case(case, distinct)
+        lhs, rhs, cot = randn(case, (L_ROWS, K)), randn(case + 1, (E, K, N)), randn(case + 2, (O_ROWS, N))
+        gs = jnp.asarray(sizes, jnp.int32)
+        got, want = ours(lhs, rhs, gs, src, dst, cot), ref(lhs, rhs, gs, src, dst, cot)
+        for a, b in zip(got, want, strict=True):
+            assert np.all(np.isfinite(f64(a))), f"case {case}: non-finite gradient"
+            assert rel_err(a, b) < 1e-5 or not np.any(b), case
+
+
+@functools.cache
+def indexed_tgmm_fns(impl):
+    def ours(x, g, gs, a, b):
+        return tgmm(x, g, gs, lhs_rows_R=a, grad_rows_R=b, distinct_rows=True, implementation=impl, tile=TILE)
+
+    def ref(x, g, gs, a, b):  # gather, then the per-group sum through a one-hot group mask
+        x_R = jnp.dot(jax.nn.one_hot(a, x.shape[0]), x, precision="highest")
+        g_R = jnp.dot(jax.nn.one_hot(b, g.shape[0]), g, precision="highest")
+        group_R = jnp.sum(jnp.arange(R)[:, None] >= jnp.cumsum(gs)[None, :], axis=1)
+        return jnp.einsum("rk,rn,re->ekn", x_R, g_R, jax.nn.one_hot(group_R, E), precision="highest")
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda x, g, gs, a, b, cot: jnp.sum(f(x, g, gs, a, b) * cot), argnums=(0, 1)))
+
+    return jax.jit(ours), jax.jit(ref), grads(ours), grads(ref)
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_indexed_tgmm_and_its_gradients_match_reference(impl):
+    ours, ref, ours_grad, ref_grad = indexed_tgmm_fns(impl)
+    for case in (0, 1, 2, 3):
+        sizes, src, dst = indexed_case(case)
+        src = np.where((src >= 0) & (src < L_ROWS), src, 0).astype(np.int32)
+        lhs, grad, cot = randn(case, (L_ROWS, K)), randn(case + 1, (O_ROWS, N)), randn(case + 2, (E, K, N))
+        gs = jnp.asarray(sizes, jnp.int32)
+        want = ref(lhs, grad, gs, src, dst)
+        got = ours(lhs, grad, gs, src, dst)
+        assert rel_err(got, want) < 1e-5 or not np.any(f64(want)), case
+        for a, b in zip(
+            ours_grad(lhs, grad, gs, src, dst, cot), ref_grad(lhs, grad, gs, src, dst, cot), strict=True
+        ):
+            assert rel_err(a, b) < 1e-5 or not np.any(f64(b)), case
+
+
+def test_indexed_argument_errors_name_the_argument():
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    rows = jnp.arange(6, dtype=jnp.int32)
+    with pytest.raises(TypeError, match="lhs_rows_R must be int32"):
+        gmm(x, w, gs, lhs_rows_R=rows.astype(jnp.float32))
+    with pytest.raises(ValueError, match="out_rows_R and num_out_rows must be given together"):
+        gmm(x, w, gs, out_rows_R=jnp.arange(8, dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"out_rows_R.shape\[0\] \(rows\) is 8 but must equal lhs_rows_R"):
+        gmm(x, w, gs, lhs_rows_R=rows, out_rows_R=jnp.arange(8, dtype=jnp.int32), num_out_rows=9)
+    with pytest.raises(ValueError, match="num_out_rows must be a positive int"):
+        gmm(x, w, gs, out_rows_R=jnp.arange(8, dtype=jnp.int32), num_out_rows=0)
+    with pytest.raises(ValueError, match=r"grad_rows_R.shape\[0\] \(rows\)"):
+        tgmm(x, jnp.ones((5, 3)), gs, lhs_rows_R=rows, grad_rows_R=rows[:5])
+
+
 # ---------------------------------------------------------------- every backend at default tiles: tiny here, real on GPU
 #
 # The former scripts/check_kernels_gpu.py, one parametrised suite at two scales. Each check runs
@@ -405,9 +596,11 @@ def group_sizes_for(pattern, scale, shape, seed):
 def check_gmm(impl, scale, dtype, shape, seed, transpose=False, pattern="skewed"):
     rows, k, n, e, sizes = group_sizes_for(pattern, scale, shape, seed)
     x, w = randn(seed, (rows, k), dtype), randn(seed + 1, (e, n, k) if transpose else (e, k, n), dtype)
-    f = jax.jit(lambda x, w, gs: gmm(x, w, gs, implementation=impl, transpose_rhs=transpose))
+    f = jax.jit(
+        lambda x, w, gs: gmm(x, w, gs, implementation=impl, transpose_rhs=transpose, zero_unwritten=True)
+    )
     out = f(x, w, jnp.asarray(sizes, jnp.int32))
-    assert not np.any(f64(out)[sizes.sum() :]), "rows past sum(group_sizes) must be zero"
+    assert not np.any(f64(out)[sizes.sum() :]), "zero_unwritten: rows past sum(group_sizes) must be zero"
     return [("out", out, gmm_ref(x, jnp.swapaxes(w, 1, 2) if transpose else w, sizes))]
 
 

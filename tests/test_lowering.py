@@ -105,16 +105,69 @@ def test_every_kernel_site_picks_its_gpu_backend(exported):
 def test_exported_module_holds_the_kernel_calls(exported):
     platform, calls, _ = exported
     # on one device (CUDA's export) no exchange separates the experts from the combine: they are one
-    # custom VJP (moe/experts.py) whose weight gradient needs no gather_dot kernel
-    expected = MOE_KERNELS - ({"xmoe_gather_dot"} if NUM_DEVICES[platform] == 1 else set())
+    # custom VJP (moe/experts.py) whose weight gradient needs no gather_dot kernel, and the experts
+    # read token rows through an index (gather on load), so no permute kernel runs at all
+    one_device = {"xmoe_gather_dot", "xmoe_scatter_rows"}
+    expected = MOE_KERNELS - (one_device if NUM_DEVICES[platform] == 1 else set())
     for name in expected:
         assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
-    # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: 3 more
-    # (input gradients) and 3 weight-gradient tgmms
-    assert calls["xmoe_gmm"] == 6 and calls["xmoe_tgmm"] == 3, calls
+    if NUM_DEVICES[platform] == 1:
+        assert not calls["xmoe_scatter_rows"], f"{platform}: a permute copy of the tokens is left: {calls}"
+    # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: the down
+    # projection's input gradient and the up projections' one (gate and up concatenated along F),
+    # and 2 weight-gradient tgmms (down; gate and up concatenated)
+    assert calls["xmoe_gmm"] == 5 and calls["xmoe_tgmm"] == 2, calls
     if platform == "rocm":
         assert PALLAS_ATTENTION <= set(calls), calls
         assert not set(CUDNN_ATTENTION_CALLS) & set(calls), calls
     else:
         assert all(calls[name] >= 1 for name in CUDNN_ATTENTION_CALLS), calls
         assert not PALLAS_ATTENTION & set(calls), calls
+
+
+def test_row_indexed_kernels_lower_through_triton_for_rocm():
+    """The gathered loads and scattered stores (gmm/schedule.py, tgmm's gathered chunks, the fill
+    programs) lower through Pallas's Triton backend: jax.value_and_grad of a gmm that gathers lhs rows and
+    scatters its output, exported for ROCm. Forward gmm + d lhs gmm (scattered, zero-filled) +
+    d rhs tgmm (both operands gathered)."""
+    import jax.numpy as jnp
+    from jax.export import DisabledSafetyCheck
+
+    from xmoe_jax.kernels import gmm
+    from xmoe_jax.kernels.platform import target
+    from xmoe_jax.perf.lowering import TRITON_CALL
+
+    def loss(x, w, gs, src, dst):
+        out = gmm(
+            x,
+            w,
+            gs,
+            lhs_rows_R=src,
+            out_rows_R=dst,
+            num_out_rows=96,
+            distinct_rows=True,
+            zero_unwritten=False,
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    args = (
+        jax.ShapeDtypeStruct((80, 64), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 64, 32), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((72,), jnp.int32),
+        jax.ShapeDtypeStruct((72,), jnp.int32),
+    )
+    with target("rocm"):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        try:
+            exported = jax.export.export(
+                step, platforms=["rocm"], disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)]
+            )(*args)
+        except RuntimeError as err:
+            if "No supported GPU devices found" not in str(err):
+                raise
+            pytest.skip(
+                f"jax {jax.__version__}: Pallas's Triton lowering needs a GPU device to export ({err})"
+            )
+    calls = kernel_calls(exported.mlir_module())
+    assert calls["xmoe_gmm"] == 2 and calls["xmoe_tgmm"] == 1, calls

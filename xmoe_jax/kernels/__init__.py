@@ -4,6 +4,8 @@
 
     x_sorted_RD = permute(x_TD, dest_A, num_rows)                 # tokens -> expert order
     h_RF        = gmm(x_sorted_RD, w_up_EDF, group_sizes_E)       # grouped GEMM
+    h_RF        = gmm(x_TD, w_up_EDF, group_sizes_E,              # the same, rows gathered on load
+                      lhs_rows_R=token_rows(dest_A, T, R))
     y_TD        = combine(y_sorted_RD, dest_A, weights_TK)        # expert order -> tokens
 
 Backends (`implementation=`): "xla", "pallas" (Triton-style Pallas: Triton lowering on CUDA
@@ -12,8 +14,10 @@ Hopper only); None picks the fastest measured one for the platform (defaults.py)
 differentiable through custom VJPs and fall back to XLA when they cannot run.
 
 Files, one folder per op:
-  gmm/       api.py (public gmm / tgmm, custom VJPs), xla.py (oracle), pallas.py, triton.py,
-             mgpu.py (one file per backend's kernels), metadata.py (row tile -> group work list)
+  gmm/       api.py (public gmm / tgmm with optional row indices, custom VJPs), xla.py (oracle),
+             pallas.py, pallas_fp8.py, triton.py, mgpu.py (one file per backend's kernels),
+             schedule.py (the Triton-style kernels' tile schedule, written once),
+             metadata.py (row tile -> group work list)
   permute/   api.py (public permute / combine, custom VJPs), xla.py (oracle), pallas.py
   backends.py   IMPLEMENTATIONS, the registry of backend objects, and choose_backend (fallbacks)
   defaults.py   per-platform default backend, tiles and launch parameters (measured data)
@@ -25,7 +29,7 @@ Files, one folder per op:
 from xmoe_jax.kernels.backends import IMPLEMENTATIONS
 from xmoe_jax.kernels.defaults import DEFAULT_IMPLEMENTATION, default_implementation
 from xmoe_jax.kernels.gmm import gmm, tgmm
-from xmoe_jax.kernels.permute import combine, permute
+from xmoe_jax.kernels.permute import combine, permute, token_rows
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
@@ -35,4 +39,5 @@ __all__ = [
     "gmm",
     "permute",
     "tgmm",
+    "token_rows",
 ]

@@ -35,6 +35,7 @@ from xmoe_jax.kernels.gmm import pallas as gmm_pallas
 from xmoe_jax.kernels.gmm import pallas_fp8 as gmm_pallas_fp8
 from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
 from xmoe_jax.kernels.gmm import xla as gmm_xla
+from xmoe_jax.kernels.gmm.fp8_call import Fp8Gmm
 from xmoe_jax.kernels.permute import pallas as permute_pallas
 from xmoe_jax.kernels.permute import xla as permute_xla
 from xmoe_jax.kernels.platform import has_module, interpret, is_hopper, platform
@@ -52,6 +53,7 @@ class Call(NamedTuple):
     n_dim: int = 0
     tile: tuple[int, int, int] | None = None  # the requested tile; None = the backend's default
     block_k: int = 0  # gmm_fp8: K-block length of the scales (0: one scale along K)
+    indexed: bool = False  # gmm / tgmm: rows gathered or scattered through index arrays (gmm/api.py)
 
 
 class Backend:
@@ -80,28 +82,17 @@ class Backend:
         """The requested tile, checked, or this platform's default for this backend and op."""
         return check_tile(defaults.default_tile(self.name, op) if tile is None else tile, power_of_two=True)
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
-        """[R, N] grouped product (rhs [E, N, K] with transpose_rhs); see gmm/api.py."""
+    def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, **rows):
+        """[R, N] grouped product (rhs [E, N, K] with transpose_rhs); [O, N] when scattered.
+        `rows`: lhs_rows_R, out_rows_R, num_out_rows, zero_unwritten (gmm/api.py)."""
         raise NotImplementedError(f"{self.name} has no gmm kernel")
 
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
-        """[E, K, N] per-group lhs.T @ grad; see gmm/api.py."""
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
+        """[E, K, N] per-group lhs.T @ grad, rows through the optional indices; see gmm/api.py."""
         raise NotImplementedError(f"{self.name} has no tgmm kernel")
 
-    def gmm_fp8(
-        self,
-        lhs_q_RK,
-        lhs_s_RB,
-        rhs_q_EKN,
-        rhs_s_EBN,
-        group_sizes_E,
-        *,
-        out_dtype,
-        tile,
-        block_k,
-        imprecise_acc,
-    ):
-        """[R, N] scaled FP8 grouped product; scales as xmoe_jax/fp8/operands.py lays them out."""
+    def gmm_fp8(self, call: Fp8Gmm, *, tile):
+        """[R, N] scaled FP8 grouped product ([O, N] scattered); the call as gmm/fp8_call.py says."""
         raise NotImplementedError(f"{self.name} has no gmm_fp8 kernel")
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
@@ -123,31 +114,35 @@ class Xla(Backend):
     name = "xla"
     ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute"})
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
-        return gmm_xla.gmm_xla(
-            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, transpose_rhs=transpose_rhs
-        )
-
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
-        return gmm_xla.tgmm_xla(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype)
-
-    def gmm_fp8(
+    def gmm(
         self,
-        lhs_q_RK,
-        lhs_s_RB,
-        rhs_q_EKN,
-        rhs_s_EBN,
+        lhs_LK,
+        rhs_EKN,
         group_sizes_E,
         *,
         out_dtype,
         tile,
-        block_k,
-        imprecise_acc,
+        transpose_rhs=False,
+        zero_unwritten=False,
+        **rows,
     ):
-        del imprecise_acc  # the oracle accumulates in float32 throughout
-        return gmm_xla.gmm_fp8_xla(
-            lhs_q_RK, lhs_s_RB, rhs_q_EKN, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, block_k=block_k
+        del zero_unwritten  # the reference's unwritten rows are zeros anyway
+        return gmm_xla.gmm_xla(
+            lhs_LK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, transpose_rhs=transpose_rhs, **rows
         )
+
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
+        return gmm_xla.tgmm_xla(
+            lhs_LK,
+            grad_GN,
+            group_sizes_E,
+            out_dtype=out_dtype,
+            lhs_rows_R=lhs_rows_R,
+            grad_rows_R=grad_rows_R,
+        )
+
+    def gmm_fp8(self, call, *, tile):
+        return gmm_xla.gmm_fp8_xla(call)  # accumulates in float32 throughout: imprecise_acc unused
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         return permute_xla.scatter_rows_xla(x_TD, dest_TK, weights_TK, num_rows)
@@ -186,39 +181,31 @@ class Pallas(Backend):
         num_warps, num_stages = defaults.launch_params(self.name, op, tile, jnp.dtype(dtype).itemsize)
         return dict(interpret=interpret(), num_warps=num_warps, num_stages=num_stages)
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+    def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, **rows):
         tile = self.tile("gmm", tile)
         return self.gmm_kernel(
-            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=tile, transpose_rhs=transpose_rhs,
-            **self.launch("gmm", tile, lhs_RK.dtype),
+            lhs_LK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=tile, transpose_rhs=transpose_rhs,
+            **rows, **self.launch("gmm", tile, lhs_LK.dtype),
         )  # fmt: skip
 
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
         tile = self.tile("tgmm", tile)
-        launch = self.launch("tgmm", tile, lhs_RK.dtype)
-        return self.tgmm_kernel(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile, **launch)
+        return self.tgmm_kernel(
+            lhs_LK, grad_GN, group_sizes_E, out_dtype=out_dtype, tile=tile, lhs_rows_R=lhs_rows_R,
+            grad_rows_R=grad_rows_R, **self.launch("tgmm", tile, lhs_LK.dtype),
+        )  # fmt: skip
 
-    def gmm_fp8(
-        self,
-        lhs_q_RK,
-        lhs_s_RB,
-        rhs_q_EKN,
-        rhs_s_EBN,
-        group_sizes_E,
-        *,
-        out_dtype,
-        tile,
-        block_k,
-        imprecise_acc,
-    ):
+    def gmm_fp8(self, call, *, tile):
         # epilogue scales with float32 promotion along K have their own best tile (defaults.py)
-        op = "gmm_fp8_promoted" if not block_k and imprecise_acc < lhs_q_RK.shape[1] else "gmm_fp8"
+        k_dim = call.lhs_q_LK.shape[1]
+        op = "gmm_fp8_promoted" if not call.block_k and call.imprecise_acc < k_dim else "gmm_fp8"
         tile = self.tile(op, tile)
         kmajor = defaults.fp8_weights_kmajor()  # Hopper FP8 wgmma reads K-major weights
-        rhs_q = jnp.swapaxes(rhs_q_EKN, 1, 2) if kmajor else rhs_q_EKN
+        rhs_q = jnp.swapaxes(call.rhs_q_EKN, 1, 2) if kmajor else call.rhs_q_EKN
         return gmm_pallas_fp8.gmm_fp8_pallas(
-            lhs_q_RK, lhs_s_RB, rhs_q, rhs_s_EBN, group_sizes_E, out_dtype=out_dtype, tile=tile,
-            transpose_rhs=kmajor, imprecise_acc=imprecise_acc, **self.launch(op, tile, lhs_q_RK.dtype),
+            call.lhs_q_LK, call.lhs_s_LB, rhs_q, call.rhs_s_EBN, call.group_sizes_E, out_dtype=call.out_dtype,
+            tile=tile, transpose_rhs=kmajor, imprecise_acc=call.imprecise_acc, **call.rows,
+            **self.launch(op, tile, call.lhs_q_LK.dtype),
         )  # fmt: skip
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
@@ -282,18 +269,32 @@ class Mosaic(Backend):
     def shape_reason(self, call):
         if call.op == "gmm_fp8":
             return "JAX's Mosaic ragged dot takes bf16/f16 operands only (no FP8 scales)"
+        if call.indexed:
+            return "JAX's Mosaic ragged dot has no row indices (Hopper has no TMA gather; gmm/mgpu.py)"
         tile = self.tile(call.op, call.tile)
         return gmm_mgpu.shape_reason(call.op, call.arrays[0].dtype, call.k_dim, call.n_dim, tile)
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+    def gmm(
+        self,
+        lhs_LK,
+        rhs_EKN,
+        group_sizes_E,
+        *,
+        out_dtype,
+        tile,
+        transpose_rhs=False,
+        zero_unwritten=False,
+        **rows,
+    ):
+        del rows  # shape_reason refused indexed calls
         return gmm_mgpu.gmm_mgpu(
-            lhs_RK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=self.tile("gmm", tile),
-            transpose_rhs=transpose_rhs,
+            lhs_LK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, tile=self.tile("gmm", tile),
+            transpose_rhs=transpose_rhs, zero_unwritten=zero_unwritten,
         )  # fmt: skip
 
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
         tile = self.tile("tgmm", tile)
-        return gmm_mgpu.tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, out_dtype=out_dtype, tile=tile)
+        return gmm_mgpu.tgmm_mgpu(lhs_LK, grad_GN, group_sizes_E, out_dtype=out_dtype, tile=tile)
 
 
 class Shapes(Backend):
@@ -305,15 +306,20 @@ class Shapes(Backend):
     def unavailable_reason(self) -> str | None:
         return None if shapes.enabled() else "a memory-planning stand-in, on only with XMOE_KERNELS=shapes"
 
-    def gmm(self, lhs_RK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False):
+    def gmm(
+        self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, lhs_rows_R=None,
+        out_rows_R=None, num_out_rows=None, zero_unwritten=False,
+    ):  # fmt: skip
         n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
-        return shapes.opaque(
-            jax.ShapeDtypeStruct((lhs_RK.shape[0], n_dim), out_dtype), lhs_RK, rhs_EKN, group_sizes_E
-        )
+        num_rows = lhs_LK.shape[0] if lhs_rows_R is None else lhs_rows_R.shape[0]
+        out = jax.ShapeDtypeStruct((num_rows if out_rows_R is None else num_out_rows, n_dim), out_dtype)
+        index = tuple(a for a in (lhs_rows_R, out_rows_R) if a is not None)
+        return shapes.opaque(out, lhs_LK, rhs_EKN, group_sizes_E, *index)
 
-    def tgmm(self, lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile):
-        out = jax.ShapeDtypeStruct((group_sizes_E.shape[0], lhs_RK.shape[1], grad_RN.shape[1]), out_dtype)
-        return shapes.opaque(out, lhs_RK, grad_RN, group_sizes_E)
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
+        out = jax.ShapeDtypeStruct((group_sizes_E.shape[0], lhs_LK.shape[1], grad_GN.shape[1]), out_dtype)
+        index = tuple(a for a in (lhs_rows_R, grad_rows_R) if a is not None)
+        return shapes.opaque(out, lhs_LK, grad_GN, group_sizes_E, *index)
 
     def permute(self, x_TD, dest_TK, weights_TK, num_rows):
         extra = () if weights_TK is None else (weights_TK,)

@@ -70,7 +70,7 @@ def check_gmm_args(lhs_RK, rhs_EKN, group_sizes_E, *, transpose_rhs: bool = Fals
     check_dim("group_sizes.shape[0] (E)", group_sizes_E.shape[0], "rhs.shape[0]", rhs_EKN.shape[0])
 
 
-def check_tgmm_args(lhs_RK, grad_RN, group_sizes_E) -> None:
+def check_tgmm_args(lhs_RK, grad_RN, group_sizes_E, *, same_rows: bool = True) -> None:
     check_rank("lhs", lhs_RK, 2, "[rows, K]")
     check_rank("grad", grad_RN, 2, "[rows, N]")
     check_rank("group_sizes", group_sizes_E, 1, "[experts]")
@@ -79,4 +79,23 @@ def check_tgmm_args(lhs_RK, grad_RN, group_sizes_E) -> None:
     if lhs_RK.dtype != grad_RN.dtype:
         raise TypeError(f"lhs and grad must share a dtype, got {lhs_RK.dtype} and {grad_RN.dtype}")
     check_int32("group_sizes", group_sizes_E)
-    check_dim("grad.shape[0] (rows)", grad_RN.shape[0], "lhs.shape[0]", lhs_RK.shape[0])
+    if same_rows:
+        check_dim("grad.shape[0] (rows)", grad_RN.shape[0], "lhs.shape[0]", lhs_RK.shape[0])
+
+
+def check_row_index(name: str, rows_R, num_rows: int | None = None, other: str = "") -> None:
+    """A row index: int32 [R]; with num_rows, R must equal it (`other` names what gives it)."""
+    check_rank(name, rows_R, 1, "[rows]")
+    check_int32(name, rows_R)
+    if num_rows is not None:
+        check_dim(f"{name}.shape[0] (rows)", rows_R.shape[0], other, num_rows)
+
+
+def check_out_rows(out_rows_R, num_out_rows) -> None:
+    """out_rows_R and num_out_rows come together; num_out_rows is a positive static int."""
+    if (out_rows_R is None) != (num_out_rows is None):
+        raise ValueError(
+            "out_rows_R and num_out_rows must be given together (the output has num_out_rows rows)"
+        )
+    if num_out_rows is not None and (not isinstance(num_out_rows, int | np.integer) or num_out_rows <= 0):
+        raise ValueError(f"num_out_rows must be a positive int, got {num_out_rows!r}")

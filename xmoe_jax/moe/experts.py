@@ -1,8 +1,18 @@
 """Expert MLPs: routed experts batched over E, and the fused shared expert.
 
-Shapes: E experts, C rows per expert, D model, F expert hidden, T tokens.
+Shapes: E experts, C rows per expert, D model, F expert hidden, T tokens, K top-k, R grouped rows
+(grouped by expert), M received rows (arrival order).
 SwiGLU: down(silu(x @ gate) * (x @ up)); GELU (the X-MoE paper's 2-matrix expert):
 down(gelu(x @ up)).
+
+The routed experts never copy their rows into expert order: the grouped GEMMs (kernels.gmm) read
+rows through an index on load and write them through an index on store.
+  combined_experts  (one device: tokens -> experts -> tokens) reads x_TD through `token_rows`
+                    (a token's K copies read its row K times) and combines the outputs with the
+                    routing weights; d x sums each token's K rows with `combine`.
+  arrival_experts   (after an exchange: received rows, each read once) reads x_MD through the
+                    grouped -> arrival index and stores each output at its arrival row; d x is
+                    stored back through the same index.
 """
 
 from __future__ import annotations
@@ -11,10 +21,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
-from xmoe_jax.kernels import combine, gmm, permute, tgmm
+from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
 
@@ -59,62 +70,113 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
     return y_TD
 
 
+def _up_bwd_operands(d_hidden, w_up, dtype):
+    """The up-projections' gradients as one GEMM: d hidden [R, n*F] and the weights [E, D, n*F],
+    concatenated along F (SwiGLU's gate and up), so d x is one grouped GEMM, not two and a sum."""
+    d_RF = jnp.concatenate([d.astype(dtype) for d in d_hidden], axis=1)
+    w_EDF = jnp.concatenate([w.astype(dtype) for w in w_up], axis=2)
+    return d_RF, w_EDF
+
+
+def _split_dw(dw_EDF, w_up) -> tuple:
+    """Split the concatenated weight gradient back per matrix, in each master's dtype."""
+    ends = np.cumsum([w.shape[2] for w in w_up])
+    return tuple(dw_EDF[:, :, e - w.shape[2] : e].astype(w.dtype) for e, w in zip(ends, w_up, strict=True))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _permute_up(x_TD, dest_TK, num_rows: int, w_up: tuple, group_sizes_E):
     """The expert input rows x_RD = permute(x_TD, dest_TK) through each up-projection matrix (cast to
-    the rows' dtype); returns one [R, F] hidden per matrix.
+    the rows' dtype); returns one [R, F] hidden per matrix (rows past sum(group_sizes) unspecified).
 
-    The backward pass keeps x_TD (T rows, which the caller keeps anyway) instead of the K-times
-    larger x_RD, and the weights as passed (the float32 masters) instead of their cast copies, and
-    recomputes both: a gather and a cast against the grouped GEMMs they feed."""
-    x_RD = permute(x_TD, dest_TK, num_rows)
-    return tuple(gmm(x_RD, w.astype(x_RD.dtype), group_sizes_E) for w in w_up)
+    No x_RD is made: the grouped GEMMs read token rows through `token_rows` (gather on load). The
+    backward pass keeps x_TD and the weights as passed (the float32 masters), recomputing their
+    casts; d x is one grouped GEMM of the concatenated gradients into grouped order, summed over
+    each token's K rows by `combine` (a token-centric gather-sum: no atomics)."""
+    tok_R = token_rows(dest_TK, x_TD.shape[0], num_rows)
+    return tuple(
+        gmm(x_TD, w.astype(x_TD.dtype), group_sizes_E, lhs_rows_R=tok_R, zero_unwritten=False) for w in w_up
+    )
 
 
 def _permute_up_fwd(x_TD, dest_TK, num_rows, w_up, group_sizes_E):
-    return _permute_up(x_TD, dest_TK, num_rows, w_up, group_sizes_E), (x_TD, dest_TK, w_up, group_sizes_E)
+    out = _permute_up(x_TD, dest_TK, num_rows, w_up, group_sizes_E)
+    return out, (x_TD, dest_TK, w_up, group_sizes_E)
 
 
 def _permute_up_bwd(num_rows, res, d_hidden):
     x_TD, dest_TK, w_up, group_sizes_E = res
-    x_RD, permute_vjp = jax.vjp(lambda x: permute(x, dest_TK, num_rows), x_TD)
-    d_hidden = [d.astype(x_RD.dtype) for d in d_hidden]
-    dx_RD = sum(
-        gmm(d, w.astype(x_RD.dtype), group_sizes_E, transpose_rhs=True)
-        for d, w in zip(d_hidden, w_up, strict=True)
-    )
-    dw = tuple(tgmm(x_RD, d, group_sizes_E).astype(w.dtype) for d, w in zip(d_hidden, w_up, strict=True))
-    (dx_TD,) = permute_vjp(dx_RD)
+    tok_R = token_rows(dest_TK, x_TD.shape[0], num_rows)
+    d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_TD.dtype)
+    dx_RD = gmm(d_RF, w_EDF, group_sizes_E, transpose_rhs=True, zero_unwritten=False)
+    dw = _split_dw(tgmm(x_TD, d_RF, group_sizes_E, lhs_rows_R=tok_R), w_up)
+    dx_TD = combine(dx_RD, dest_TK, jnp.ones(dest_TK.shape, jnp.float32)).astype(x_TD.dtype)
     return dx_TD, None, dw, None
 
 
 _permute_up.defvjp(_permute_up_fwd, _permute_up_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _act_down(hidden, w_EFD, group_sizes_E, activation: str):
-    """gmm(act(hidden), w cast to the hidden dtype). The backward keeps the pre-activation hidden
-    (one [R, F] per input matrix) and the master w, and recomputes the activation (elementwise) and
-    the cast: autodiff would keep the activation's output and intermediates beside its input."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gather_up(x_MD, arrival_R, w_up: tuple, group_sizes_E, num_rows: int):
+    """Each up-projection of the rows x_MD[arrival_R[r]] (gather on load, no grouped copy of x_MD);
+    [R, F] per matrix, rows past sum(group_sizes) unspecified. Every x_MD row is read at most
+    once, so d x is one grouped GEMM scattered straight back into x_MD's rows (zeros in the rows
+    nobody reads). Keeps x_MD and the master weights, as `_permute_up` does."""
+    del num_rows
+    return tuple(
+        gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, lhs_rows_R=arrival_R, zero_unwritten=False)
+        for w in w_up
+    )
+
+
+def _gather_up_fwd(x_MD, arrival_R, w_up, group_sizes_E, num_rows):
+    return _gather_up(x_MD, arrival_R, w_up, group_sizes_E, num_rows), (x_MD, arrival_R, w_up, group_sizes_E)
+
+
+def _gather_up_bwd(num_rows, res, d_hidden):
+    x_MD, arrival_R, w_up, group_sizes_E = res
+    d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_MD.dtype)
+    dx_MD = gmm(
+        d_RF, w_EDF, group_sizes_E, transpose_rhs=True, out_rows_R=arrival_R, num_out_rows=x_MD.shape[0],
+        zero_unwritten=True,
+    )  # fmt: skip
+    dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E, lhs_rows_R=arrival_R), w_up)
+    return dx_MD, None, dw, None
+
+
+_gather_up.defvjp(_gather_up_fwd, _gather_up_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out: int, activation: str):
+    """gmm(act(hidden), w) with grouped row r stored at row arrival_R[r] of a [num_out, D] output
+    (scatter on store: no grouped copy to put back in order). Output rows no grouped row writes
+    are unspecified. The backward keeps the pre-activation hidden (one [R, F] per input matrix)
+    and the master w, and recomputes the activation (elementwise) and the cast: autodiff would
+    keep the activation's output and intermediates beside its input. It gathers the output's
+    cotangent rows through the same index (d act and d w read them in place)."""
     act_RF = _act(*hidden, activation)
-    return gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E)
-
-
-def _act_down_fwd(hidden, w_EFD, group_sizes_E, activation):
-    return _act_down(hidden, w_EFD, group_sizes_E, activation), (hidden, w_EFD, group_sizes_E)
-
-
-def _act_down_bwd(activation, res, d_RD):
-    hidden, w_EFD, group_sizes_E = res
-    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
-    d_RD = d_RD.astype(act_RF.dtype)
     w = w_EFD.astype(act_RF.dtype)
-    d_act_RF = gmm(d_RD, w, group_sizes_E, transpose_rhs=True)
-    dw_EFD = tgmm(act_RF, d_RD, group_sizes_E).astype(w_EFD.dtype)
-    return act_vjp(d_act_RF), dw_EFD, None
+    return gmm(act_RF, w, group_sizes_E, out_rows_R=arrival_R, num_out_rows=num_out, zero_unwritten=False)
 
 
-_act_down.defvjp(_act_down_fwd, _act_down_bwd)
+def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation):
+    y_MD = _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation)
+    return y_MD, (hidden, w_EFD, group_sizes_E, arrival_R)
+
+
+def _act_down_scatter_bwd(num_out, activation, res, d_MD):
+    hidden, w_EFD, group_sizes_E, arrival_R = res
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    d_MD = d_MD.astype(act_RF.dtype)
+    w = w_EFD.astype(act_RF.dtype)
+    d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
+    dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
+    return act_vjp(d_act_RF), dw_EFD, None, None
+
+
+_act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -123,10 +185,11 @@ def _act_down_combine(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activat
     tokens, [T, D] in float32, when the rows never leave the device (no exchange in between).
 
     The backward pass keeps no [R, D] output: the combine weight's gradient <dy_t, out_r> equals
-    <dy_t W^T, act_r>, and dy_t W^T (a grouped GEMM of the unweighted rows) is the activation's
-    gradient before the weight; so it keeps what `_act_down` keeps and the [T, K] dest and weights."""
+    <dy_t W^T, act_r>, and dy_t W^T (a grouped GEMM of the unweighted rows, read from dy_TD through
+    `token_rows`: no permuted copy) is the activation's gradient before the weight; so it keeps
+    what `_act_down_scatter` keeps and the [T, K] dest and weights."""
     act_RF = _act(*hidden, activation)
-    out_RD = gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E)
+    out_RD = gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E, zero_unwritten=False)
     return combine(out_RD, dest_TK, weights_TK)
 
 
@@ -139,14 +202,20 @@ def _act_down_combine_bwd(activation, res, dy_TD):
     hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
     act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
     num_rows, dt = act_RF.shape[0], act_RF.dtype
-    dy_RD = permute(dy_TD.astype(dt), dest_TK, num_rows)  # row r holds dy of its token, unweighted
-    u_RF = gmm(dy_RD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True)  # dy_t W^T per row
+    tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
+    dy_TD = dy_TD.astype(dt)
+    u_RF = gmm(
+        dy_TD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True, lhs_rows_R=tok_R, zero_unwritten=False
+    )
     rows_A = dest_TK.reshape(-1)
     g_R = jnp.zeros((num_rows,), jnp.float32).at[rows_A].set(weights_TK.reshape(-1), mode="drop")
+    # rows past sum(group_sizes) of u and act are unspecified; only valid rows are gathered from s
     s_R = jnp.sum(u_RF.astype(jnp.float32) * act_RF.astype(jnp.float32), axis=-1)
     dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
     d_act_RF = (u_RF.astype(jnp.float32) * g_R[:, None]).astype(dt)
-    dw_EFD = tgmm((act_RF.astype(jnp.float32) * g_R[:, None]).astype(dt), dy_RD, group_sizes_E)
+    dw_EFD = tgmm(
+        (act_RF.astype(jnp.float32) * g_R[:, None]).astype(dt), dy_TD, group_sizes_E, grad_rows_R=tok_R
+    )
     return act_vjp(d_act_RF), dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
 
 
@@ -164,11 +233,18 @@ def _fp8_experts(x_RD, experts: dict, gs_E, activation: str, recipe) -> jax.Arra
     return mm(_act(h_gate, h_up, activation), experts["w_down"])
 
 
-def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> tuple:
-    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
-    hidden = _permute_up(x_TD, dest_TK, int(num_rows), tuple(experts[n] for n in names), gs_E)
+def _up_names(activation: str) -> tuple[str, ...]:
+    return ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
+
+
+def _tag_hidden(hidden: tuple, activation: str) -> tuple:
     hidden = tuple(tag(h, EXPERT_HIDDEN) for h in hidden)
     return hidden if activation == "swiglu" else (None, *hidden)
+
+
+def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> tuple:
+    w_up = tuple(experts[n] for n in _up_names(activation))
+    return _tag_hidden(_permute_up(x_TD, dest_TK, int(num_rows), w_up, gs_E), activation)
 
 
 def combined_experts(
@@ -180,9 +256,13 @@ def combined_experts(
     activation: str,
     weights_TK: jax.Array,
 ) -> jax.Array:
-    """`combine(grouped_experts(...), dest_TK, weights_TK)` in one piece, for rows that stay on their
-    device: [T, D] float32. Keeps x_TD, the pre-activation hidden and the [T, K] routing for the
-    backward pass (`_act_down_combine`), not the [R, D] rows or outputs."""
+    """`combine(experts over permute(x_TD, dest_TK, num_rows), dest_TK, weights_TK)` in one piece, for
+    rows that stay on their device: [T, D] float32. The up-projections read token rows through the
+    inverse of dest_TK (`token_rows`: gather on load), so no [R, D] copy of the tokens exists in
+    either pass. Keeps x_TD, the pre-activation hidden and the [T, K] routing for the backward pass
+    (`_permute_up`, `_act_down_combine`), not the [R, D] rows or outputs. FP8 (fp8/gmm.py) keeps
+    the materialised permute: its kernel has the same loads (schedule.py) but its quantize-and-
+    scale API takes no row index yet."""
     gs_E = group_sizes_E.astype(jnp.int32)
     recipe = fp8_context.recipe_for("experts")
     with jax.named_scope("experts"):  # the name profiles and HLO metadata show
@@ -194,30 +274,46 @@ def combined_experts(
     return tag(y_TD, EXPERT_OUT)
 
 
-def grouped_experts(
-    x_TD: jax.Array,
-    dest_TK: jax.Array,
-    num_rows: int,
+def arrival_experts(
+    x_MD: jax.Array,
+    arrival_R: jax.Array,
     experts: dict,
     group_sizes_E: jax.Array,
     activation: str,
 ) -> jax.Array:
-    """Experts over a flat expert-major buffer: rows of group e go through expert e; [R, D].
+    """Experts over rows that stay where they arrived: grouped row r (grouped by expert, group e
+    going through expert e) is x_MD[arrival_R[r]], and its output is stored at row arrival_R[r] of
+    the [M, D] result, for r < sum(group_sizes_E). Rows of the result that no grouped row writes
+    are unspecified (the reverse exchange does not read them).
 
-    The rows are `permute(x_TD, dest_TK, num_rows)` (kernels.permute: row dest[t, k] holds x[t];
-    a [R, 1] dest of row indices gathers a buffer into a new order). Rows past
-    sum(group_sizes_E) give zero. Grouped GEMMs through `xmoe_jax.kernels.gmm` (the Pallas kernel
-    on GPU, `ragged_dot` on CPU), whose backward passes are grouped GEMMs too. What the backward
-    pass keeps: x_TD and the pre-activation hidden; the permuted rows, the activation and the
-    weights' compute-dtype copies are recomputed (`_permute_up`, `_act_down`). FP8 grouped GEMMs
-    (fp8/gmm.py) when the FP8 policy covers the experts.
+    Gather on load into the up-projections and scatter on store out of the down-projection
+    (kernels.gmm's row indices): no grouped copy of x_MD and no ungrouped copy of the output, in
+    either pass. arrival_R must name each row at most once. What the backward pass keeps: x_MD,
+    the pre-activation hidden and the index (`_gather_up`, `_act_down_scatter`). FP8 grouped
+    GEMMs (fp8/gmm.py) keep the materialised group / ungroup permutes.
     """
     gs_E = group_sizes_E.astype(jnp.int32)
+    num_rows = x_MD.shape[0]
     recipe = fp8_context.recipe_for("experts")
     with jax.named_scope("experts"):  # the name profiles and HLO metadata show
-        if recipe is not None:
-            y_RD = _fp8_experts(permute(x_TD, dest_TK, num_rows), experts, gs_E, activation, recipe)
+        if recipe is not None:  # group, run the FP8 experts, put back in arrival order
+            grouped_M = _grouped_rows(arrival_R, gs_E, num_rows)
+            y_RD = _fp8_experts(
+                permute(x_MD, grouped_M, arrival_R.shape[0]), experts, gs_E, activation, recipe
+            )
+            y_MD = combine(y_RD, grouped_M, jnp.ones((num_rows, 1), jnp.float32))
         else:
-            hidden = _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation)
-            y_RD = _act_down(hidden, experts["w_down"], gs_E, activation)
-    return tag(y_RD, EXPERT_OUT)
+            w_up = tuple(experts[n] for n in _up_names(activation))
+            hidden = _tag_hidden(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), activation)
+            y_MD = _act_down_scatter(hidden, experts["w_down"], gs_E, arrival_R, num_rows, activation)
+    return tag(y_MD, EXPERT_OUT)
+
+
+def _grouped_rows(arrival_R, group_sizes_E, num_rows: int) -> jax.Array:
+    """int32 [M, 1]: the grouped row of each arrival row (arrival_R's inverse; R for rows no
+    grouped row reads), as permute / combine take a destination."""
+    num_grouped = arrival_R.shape[0]
+    live_R = jnp.arange(num_grouped, dtype=jnp.int32) < jnp.sum(group_sizes_E)
+    src_R = jnp.where(live_R, arrival_R, num_rows)
+    grouped_M = jnp.full((num_rows,), num_grouped, jnp.int32)
+    return grouped_M.at[src_R].set(jnp.arange(num_grouped, dtype=jnp.int32), mode="drop")[:, None]

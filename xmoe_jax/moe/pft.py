@@ -16,10 +16,13 @@ Steps:
      would overflow it, the rows past M (in source-then-expert order) are not sent,
      counted as `num_overflow`, and contribute zero: never silently;
   4. one ragged exchange moves exactly the routed rows (exchange.py);
-  5. received rows, ordered (source, local expert), are permuted into expert-major
-     groups (permute kernel) and the local experts run as grouped GEMMs;
-  6. outputs are put back in arrival order, go back by the reverse exchange and are
-     combined with the routing weights (combine kernel, float32 accumulation).
+  5. received rows, ordered (source, local expert), stay where they arrived: the local
+     experts run as grouped GEMMs that read them through a grouped -> arrival row index
+     (`_arrival_index`; gather on load, no expert-major copy);
+  6. the down-projection stores each output at its arrival row (scatter on store, no
+     ungrouping copy); the outputs go back by the reverse exchange and are combined with
+     the routing weights (combine kernel, float32 accumulation). Receive-buffer rows that
+     hold no row stay unwritten in both passes' outputs; nothing reads them.
 With one peer there is no exchange: steps 5-6 are the experts and the combine in one piece
 (`experts.combined_experts`), whose backward pass keeps no [A, D] buffer.
 
@@ -42,7 +45,7 @@ from xmoe_jax.fp8.dispatch import fp8_exchange
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
-from xmoe_jax.moe.experts import combined_experts, grouped_experts
+from xmoe_jax.moe.experts import arrival_experts, combined_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
 from xmoe_jax.moe.transports import Transport
@@ -112,20 +115,21 @@ def pair_rows(
     return _buffer_rows(num_experts, top_k, num_tokens, num_peers, capacity, factor, per_pair=True)
 
 
-def _grouped_index(cc_PL: jax.Array, seg_start_PL: jax.Array, num_rows: int) -> jax.Array:
-    """Row of each receive-buffer row in the expert-major grouped buffer (num_rows: an empty row).
+def _arrival_index(cc_PL: jax.Array, seg_start_PL: jax.Array, num_rows: int) -> jax.Array:
+    """int32 [M]: the receive-buffer row of each grouped row, the experts' gather / scatter index
+    (num_rows for grouped rows past the received total).
 
     Received rows come as segments (source p, local expert l) of cc_PL[p, l] rows starting at
-    seg_start_PL[p, l]; in the grouped buffer, expert l's rows from all sources are contiguous.
+    seg_start_PL[p, l]; grouped by expert, expert l's rows from all sources are contiguous, in
+    source order: segment (p, l) starts at grouped row seg_dest[p, l].
     """
-    seg_len = cc_PL.reshape(-1)
-    seg_start = seg_start_PL.reshape(-1)
-    seg_dest = (exclusive_cumsum(cc_PL.sum(0))[None, :] + exclusive_cumsum(cc_PL, axis=0)).reshape(-1)
+    seg_dest_PL = exclusive_cumsum(cc_PL.sum(0))[None, :] + exclusive_cumsum(cc_PL, axis=0)
+    # segments in grouped order, (l, p): their grouped starts increase
+    dest_X, start_X = seg_dest_PL.T.reshape(-1), seg_start_PL.T.reshape(-1)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    # segments are in increasing start order; a row belongs to the last segment starting at or before it
-    seg = jnp.clip(jnp.searchsorted(seg_start, rows, side="right") - 1, 0, seg_len.shape[0] - 1)
-    inside = (rows >= seg_start[seg]) & (rows < seg_start[seg] + seg_len[seg])
-    return jnp.where(inside, seg_dest[seg] + rows - seg_start[seg], num_rows)
+    # a grouped row belongs to the last segment starting at or before it (empty ones share a start)
+    seg = jnp.clip(jnp.searchsorted(dest_X, rows, side="right") - 1, 0, dest_X.shape[0] - 1)
+    return jnp.where(rows < cc_PL.sum(), start_X[seg] + rows - dest_X[seg], num_rows).astype(jnp.int32)
 
 
 def pft_stages(
@@ -185,12 +189,10 @@ def pft_stages(
         x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
         send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
         yield "exchange", (x_recv_MD,)
-        grouped_M = _grouped_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
-        y_grp_MD = grouped_experts(
-            x_recv_MD, grouped_M[:, None], lay.num_recv, experts, lay.cc_PL.sum(0), spec.activation
-        )
-        yield "experts", (y_grp_MD,)
-        y_recv_MD = combine(y_grp_MD, grouped_M[:, None], jnp.ones((lay.num_recv, 1), jnp.float32))
+        # the experts read the received rows in place and write their outputs back in place
+        arrival_M = _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
+        y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)
+        yield "experts", (y_recv_MD,)
         y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)
         yield "return", (y_send_AD,)
         stats = ExchangeStats(  # dispatch + combine: both directions carry the same rows

@@ -4,7 +4,8 @@ applied per K-block or in the epilogue.
 Legend: R rows grouped by expert, K contraction, N output columns, E experts, B K-blocks of the
 scales (see xmoe_jax/fp8/operands.py), I work items (metadata.py); bm/bk/bn the tile.
 
-Same grid as gmm/pallas.py's gmm (one program per (work item, N tile)). Loads are masked to the
+The same schedule as gmm/pallas.py's gmm (schedule.py: work items, row and column masks, row
+indices, fill programs); this file is only its FP8 body, the loads and dots. Loads are masked to the
 group's rows and the array's columns but not filled: Triton cannot splat a fill value into an
 fp8 tensor, so masked lanes hold undefined values. That is harmless for rows and columns (an
 output element depends on its own row and column only, and masked ones are never stored) but
@@ -33,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from xmoe_jax.kernels.gmm import schedule
 from xmoe_jax.kernels.gmm.fp8_dot import dot_acc
-from xmoe_jax.kernels.gmm.metadata import make_group_metadata
 
 # K elements summed in the tensor core before each float32 add (fp8_dot.py): DeepSeek-V3's 128
 IMPRECISE_ACC = 128
@@ -46,73 +47,48 @@ def _dot(x, w, acc, transpose_rhs, imprecise_acc):
     return dot_acc(x, w, acc, transpose_rhs=transpose_rhs, imprecise_acc=imprecise_acc)
 
 
-def _gmm_fp8_kernel(
-    item_group_ref,
-    item_tile_ref,
-    group_start_ref,
-    group_end_ref,
-    lhs_ref,
-    lhs_s_ref,
-    rhs_ref,
-    rhs_s_ref,
-    out_ref,
-    *,
-    num_groups,
-    k_dim,
-    n_dim,
-    num_kb,
-    bm,
-    bk,
-    bn,
-    transpose_rhs,
-    imprecise_acc,
-):
-    n_tiles = pl.cdiv(n_dim, bn)
-    pid = pl.program_id(0)
-    item, col_tile = pid // n_tiles, pid % n_tiles
-    group = item_group_ref[item]
-    row0 = pl.multiple_of(item_tile_ref[item] * bm, bm)
-    col0 = pl.multiple_of(col_tile * bn, bn)
-    rows = row0 + jnp.arange(bm)
-    row_ok = (rows >= group_start_ref[group]) & (rows < group_end_ref[group])
-    col_ok = (col0 + jnp.arange(bn)) < n_dim
-    w_group = jnp.minimum(group, num_groups - 1)  # tail/idle items read group E-1 but never use it
+def _gmm_fp8_body(tile, operand_refs, *, k_dim, n_dim, num_kb, bm, bk, bn, transpose_rhs, imprecise_acc):
+    """The FP8 K loop of one GEMM program (schedule.py owns the rows, columns and store)."""
+    lhs_ref, lhs_s_ref, rhs_ref, rhs_s_ref = operand_refs
 
     def scales(kb):  # [bm, 1] row scales and [1, bn] column scales of K-block kb
-        s_row = plgpu.load(lhs_s_ref.at[pl.ds(row0, bm), pl.ds(kb, 1)], mask=row_ok[:, None], other=0.0)
+        s_row = schedule.load_rows(lhs_s_ref, tile, kb, 1, bm, other=0.0)
         s_col = plgpu.load(
-            rhs_s_ref.at[pl.ds(w_group * num_kb + kb, 1), pl.ds(col0, bn)], mask=col_ok[None, :], other=0.0
+            rhs_s_ref.at[pl.ds(tile.w_group * num_kb + kb, 1), pl.ds(tile.col0, bn)],
+            mask=tile.col_ok[None, :],
+            other=0.0,
         )
         return s_row, s_col
 
-    def body(kt, acc):
+    def step(kt, acc):
         k0 = pl.multiple_of(kt * bk, bk)
-        x = plgpu.load(lhs_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=row_ok[:, None])
+        x = schedule.load_rows(lhs_ref, tile, k0, bk, bm, other=None)
         if transpose_rhs:
-            w = plgpu.load(rhs_ref.at[pl.ds(w_group * n_dim + col0, bn), pl.ds(k0, bk)], mask=col_ok[:, None])
+            w = plgpu.load(
+                rhs_ref.at[pl.ds(tile.w_group * n_dim + tile.col0, bn), pl.ds(k0, bk)],
+                mask=tile.col_ok[:, None],
+            )
         else:
-            w = plgpu.load(rhs_ref.at[pl.ds(w_group * k_dim + k0, bk), pl.ds(col0, bn)], mask=col_ok[None, :])
+            w = plgpu.load(
+                rhs_ref.at[pl.ds(tile.w_group * k_dim + k0, bk), pl.ds(tile.col0, bn)],
+                mask=tile.col_ok[None, :],
+            )
         if num_kb == 1:  # scales in the epilogue: the K loop accumulates in the tensor core's chain
             return _dot(x, w, acc, transpose_rhs, imprecise_acc)
         part = _dot(x, w, jnp.zeros_like(acc), transpose_rhs, imprecise_acc)
         s_row, s_col = scales(kt)
         return acc + part * s_row * s_col
 
-    num_k = (group < num_groups).astype(jnp.int32) * pl.cdiv(k_dim, bk)
-    acc = lax.fori_loop(0, num_k, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = lax.fori_loop(0, tile.num_k, step, jnp.zeros((bm, bn), jnp.float32))
     if num_kb == 1:
         s_row, s_col = scales(0)
         acc = acc * s_row * s_col
-    plgpu.store(
-        out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)],
-        acc.astype(out_ref.dtype),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+    return acc
 
 
 def gmm_fp8_pallas(
-    lhs_q_RK,
-    lhs_s_RB,
+    lhs_q_LK,
+    lhs_s_LB,
     rhs_q_EKN,
     rhs_s_EBN,
     group_sizes_E,
@@ -120,40 +96,42 @@ def gmm_fp8_pallas(
     out_dtype,
     tile,
     transpose_rhs: bool = False,
+    lhs_rows_R=None,
+    out_rows_R=None,
+    num_out_rows: int | None = None,
+    zero_unwritten: bool = False,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
     imprecise_acc: int = IMPRECISE_ACC,
 ) -> jax.Array:
-    """[R, N] scaled grouped product; rhs_q is [E, K, N] ([E, N, K] with transpose_rhs)."""
+    """[O, N] scaled grouped product; rhs_q is [E, K, N] ([E, N, K] with transpose_rhs). Rows as
+    gmm/api.py says (lhs_q and lhs_s gathered through lhs_rows_R, the output scattered)."""
     bm, bk, bn = tile
-    num_rows, k_dim = lhs_q_RK.shape
+    num_lhs_rows, k_dim = lhs_q_LK.shape
     num_groups = rhs_q_EKN.shape[0]
     n_dim = rhs_q_EKN.shape[1] if transpose_rhs else rhs_q_EKN.shape[2]
-    num_kb = lhs_s_RB.shape[1]
+    num_kb = lhs_s_LB.shape[1]
     if k_dim % bk:
         raise ValueError(f"K={k_dim} must be a multiple of block_k={bk} (fp8 loads cannot fill masked lanes)")
     if num_kb > 1 and num_kb != pl.cdiv(k_dim, bk):
         raise ValueError(f"block_k={bk} must equal the scales' K-block (K={k_dim}, {num_kb} blocks)")
-    meta = make_group_metadata(group_sizes_E, num_rows, bm)
-    num_programs = meta.item_group_I.shape[0] * pl.cdiv(n_dim, bn)
-    kernel = functools.partial(
-        _gmm_fp8_kernel,
-        num_groups=num_groups,
-        k_dim=k_dim,
-        n_dim=n_dim,
-        num_kb=num_kb,
-        bm=bm,
-        bk=bk,
-        bn=bn,
-        transpose_rhs=transpose_rhs,
-        imprecise_acc=imprecise_acc,
+    rows, lead = schedule.plan(
+        group_sizes_E, num_lhs_rows, bm, lhs_rows_R, out_rows_R, num_out_rows, zero_unwritten
     )
+    body = functools.partial(
+        _gmm_fp8_body, k_dim=k_dim, n_dim=n_dim, num_kb=num_kb, bm=bm, bk=bk, bn=bn,
+        transpose_rhs=transpose_rhs, imprecise_acc=imprecise_acc,
+    )  # fmt: skip
+    kernel = functools.partial(
+        schedule.run_gmm, body=body, rows=rows, num_groups=num_groups, k_dim=k_dim, n_dim=n_dim, bm=bm, bk=bk,
+        bn=bn, interpret=interpret,
+    )  # fmt: skip
     return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
-        grid=(num_programs,),
+        lambda *refs: kernel(refs),
+        out_shape=jax.ShapeDtypeStruct((rows.num_out_rows, n_dim), out_dtype),
+        grid=(schedule.num_programs(lead[0].shape[0], rows, n_dim, bm, bn),),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="xmoe_gmm_fp8",
-    )(*meta, lhs_q_RK, lhs_s_RB, rhs_q_EKN.reshape(-1, rhs_q_EKN.shape[2]), rhs_s_EBN.reshape(-1, n_dim))
+    )(*lead, lhs_q_LK, lhs_s_LB, rhs_q_EKN.reshape(-1, rhs_q_EKN.shape[2]), rhs_s_EBN.reshape(-1, n_dim))

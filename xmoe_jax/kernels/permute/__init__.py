@@ -1,5 +1,5 @@
 """Token permutation: `permute` into expert-sorted order and `combine` back."""
 
-from xmoe_jax.kernels.permute.api import combine, permute
+from xmoe_jax.kernels.permute.api import combine, permute, token_rows
 
-__all__ = ["combine", "permute"]
+__all__ = ["combine", "permute", "token_rows"]

@@ -23,8 +23,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from xmoe_jax.kernels import backends  # a module import: backends.py imports this package's kernels
+from xmoe_jax.kernels.permute.xla import source_rows
 from xmoe_jax.kernels.validation import check_float, check_int32, check_rank
 from xmoe_jax.kernels.vma import match_vma
 
@@ -148,3 +150,16 @@ def combine(
     backend = _backend(implementation, y_RD, out_TD)
     y_RD, weights_TK = match_vma(y_RD, weights_TK)
     return _combine(y_RD, dest_TK, weights_TK, backend)
+
+
+def token_rows(dest_A: jax.Array, num_tokens: int, num_rows: int) -> jax.Array:
+    """int32 [R]: the token whose copy lands on each buffer row (-1 for rows no copy fills).
+
+    The gather index of `permute`: `gmm(x_TD, w, gs, lhs_rows_R=token_rows(dest, T, R))` reads the
+    rows of `permute(x_TD, dest, R)` straight from x_TD, with no permuted copy (gmm/api.py). A
+    token's K copies read its row K times, so that gmm's lhs gradient is a sum: keep it on
+    `combine` (moe/experts.py), not on gmm's scatter-add fallback.
+    """
+    dest_TK = _dest_TK(dest_A, num_tokens)
+    src_R = source_rows(dest_TK.reshape(-1), int(num_rows))
+    return jnp.where(src_R >= 0, src_R // dest_TK.shape[1], -1).astype(jnp.int32)

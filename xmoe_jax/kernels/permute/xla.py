@@ -56,7 +56,8 @@ def combine_rows_xla(y_RD, dest_TK, weights_TK) -> jax.Array:
     w_TK = ok_TK.astype(jnp.float32)
     if weights_TK is not None:
         w_TK = w_TK * weights_TK.astype(jnp.float32)
-    rows_TKD = y_RD[jnp.where(ok_TK, dest_TK, 0)].astype(jnp.float32)
+    # a select, not a multiply by 0: rows no copy owns may hold anything (gmm leaves them unwritten)
+    rows_TKD = jnp.where(ok_TK[:, :, None], y_RD[jnp.where(ok_TK, dest_TK, 0)].astype(jnp.float32), 0.0)
     return jnp.einsum("tk,tkd->td", w_TK, rows_TKD).astype(y_RD.dtype)
 
 
