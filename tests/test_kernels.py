@@ -25,7 +25,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from xmoe_jax.kernels import IMPLEMENTATIONS, combine, default_implementation, gmm, permute, tgmm
+from xmoe_jax.kernels import IMPLEMENTATIONS, combine, default_implementation, defaults, gmm, permute, tgmm
 from xmoe_jax.kernels.platform import platform
 
 R, K, N, E = 56, 40, 24, 4  # rows, contraction, columns, groups: R, K, N not multiples of TILE
@@ -519,8 +519,11 @@ def indexed_tgmm_fns(impl):
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
-def test_indexed_tgmm_and_its_gradients_match_reference(impl):
-    ours, ref, ours_grad, ref_grad = indexed_tgmm_fns(impl)
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["gather-in-kernel", "xla-gathers-first"])
+def test_indexed_tgmm_and_its_gradients_match_reference(impl, in_kernel, monkeypatch):
+    """Both ways a tgmm reads indexed rows (defaults.TGMM_GATHER_IN_KERNEL: in the kernel, or XLA first)."""
+    monkeypatch.setitem(defaults.TGMM_GATHER_IN_KERNEL, "cpu", in_kernel)
+    ours, ref, ours_grad, ref_grad = indexed_tgmm_fns.__wrapped__(impl)
     for case in (0, 1, 2, 3):
         sizes, src, dst = indexed_case(case)
         src = np.where((src >= 0) & (src < L_ROWS), src, 0).astype(np.int32)

@@ -73,6 +73,12 @@ LAUNCH = {
 # wgmma takes only K-major B from shared memory, so an N-major tile is transposed in the kernel.
 FP8_WEIGHTS_KMAJOR = {"cuda": True}
 SHARED_MEMORY_BYTES = {"cuda": 227 * 1024, "rocm": 64 * 1024}
+# tgmm with row indices: gather inside the kernel (True) or let XLA gather the operands first and run
+# the plain kernel (False). One H100, Small expert shapes (scripts/bench_gather_gmm.py,
+# benchmarks/fused.md): the in-kernel gather is the faster forward (gmm: 1.18-1.22x the permuted
+# path) but the gathered tgmm made forward+backward 1.07-1.19x slower than permute + plain kernels.
+# CPU keeps the in-kernel path, so the interpret-mode tests exercise it.
+TGMM_GATHER_IN_KERNEL = {"cpu": True, "cuda": False, "rocm": False}
 
 
 def default_implementation(op: str) -> str:
@@ -104,3 +110,8 @@ def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[in
     while num_stages > 1 and num_stages * per_stage > limit:
         num_stages -= 1
     return num_warps, num_stages
+
+
+def tgmm_gathers_in_kernel() -> bool:
+    """Whether tgmm reads indexed rows inside its kernel (else XLA gathers them first: see above)."""
+    return TGMM_GATHER_IN_KERNEL.get(platform(), True)
