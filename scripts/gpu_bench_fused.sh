@@ -12,9 +12,34 @@
 # scripts/bench_peers.sh, so the ratios come from one call.
 # CPU dry run (tiny shapes; the GPU-only rows fail there): OUT=/tmp/dry GATHER_ARGS=--tiny STEPS=2
 #   MATMUL_SIZE=256 bash scripts/gpu_bench_fused.sh
+#
+# PART=depth (4 GPUs, about 8 minutes): the paper's Small at 28 layers, EP 4, 4 x 16k tokens per GPU,
+# save_exchange, force-balanced router, $DEPTH_STEPS (25) steps with command buffers off so every kernel keeps
+# its name, a trace of steps 18-19 read by scripts/step_breakdown.py (shares, and device copies by source) and
+# scripts/kernel_overlap.py: the code before (.old/, bucketed) and this tree ($DEPTH_TRANSPORT, push).
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-15}
+depth() {  # name dir transport: a traced full-depth run from the tree in dir
+  local name=$1 dir=$2 transport=$3
+  (cd "$dir" && step "$name" 330 env PYTHONPATH="/tmp/site:$PWD" \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" python3 scripts/bench_train_step.py --config configs/small.yaml --steps "${DEPTH_STEPS:-25}" --log-every 5 \
+    --out "$OUT/$name.json" --run-dir "/tmp/$name" --set mesh.expert=4 --set mesh.data=1 --set train.batch_size=128 \
+    --set train.micro_batch_size=32 --set model.remat=save_exchange --set parallel.transport="$transport" \
+    --set model.moe.force_balance=true --set train.tensorboard=false --set "train.profile_steps=[18,19]" \
+    ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} ${SHAPES:-})
+  [ -d "/tmp/$name/profile" ] || return
+  python3 scripts/step_breakdown.py "/tmp/$name/profile" --steps 2 --out "$OUT/$name.breakdown.json" \
+    > "$OUT/$name.breakdown.md" 2>&1
+  python3 scripts/kernel_overlap.py "/tmp/$name/profile" --out "$OUT/$name.overlap.json" > "$OUT/$name.overlap.txt" 2>&1
+}
+if [ "${PART:-one}" = depth ]; then
+  [ -d .old ] && depth depth_before .old bucketed
+  depth depth_after . "${DEPTH_TRANSPORT:-push}"
+  cat "$OUT/steps.txt"; python3 scripts/gpu_summary.py "$OUT" 2>&1 | tail -4
+  for f in "$OUT"/*.breakdown.md; do echo "== $f"; head -40 "$f"; done
+  exit 0
+fi
 step gather_gmm 240 python3 scripts/bench_gather_gmm.py ${GATHER_ARGS:-} --out "$OUT/gather_gmm.json"
 if [ -d .old ]; then
   (cd .old && PYTHONPATH=/tmp/site:$PWD step xmoe_before 180 python3 scripts/bench_train_step.py \
