@@ -22,6 +22,7 @@ source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-15}
 depth() {  # name dir transport: a traced full-depth run from the tree in dir
   local name=$1 dir=$2 transport=$3
+  rm -rf "/tmp/$name"  # a warm machine keeps the last call's run directory, which the trainer never writes over
   (cd "$dir" && step "$name" 330 env PYTHONPATH="/tmp/site:$PWD" \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" python3 scripts/bench_train_step.py --config configs/small.yaml --steps "${DEPTH_STEPS:-25}" --log-every 5 \
     --out "$OUT/$name.json" --run-dir "/tmp/$name" --set mesh.expert=4 --set mesh.data=1 --set train.batch_size=128 \
