@@ -18,8 +18,9 @@ class ParallelConfig:
 
     dispatch: how routed tokens reach their experts (moe/dispatchers.py): `dense` (the oracle),
       `padded` (capacity baseline), `pft` (padding-free), `rbd` (two-stage, across nodes).
-    transport: the pft/rbd exchange (moe/exchange.py, moe/layouts.py): `bucketed` (dense
-      all-to-all of per-peer chunks sized by the buffer factor), `ragged` (ragged_all_to_all),
+    transport: the pft/rbd exchange (moe/transports.py, one record each): `bucketed` (dense
+      all-to-all of per-peer chunks sized by the buffer factor), `exact` (ragged_all_to_all split
+      into many updates per peer; one process on GPU), `ragged` (ragged_all_to_all; not on CPU),
       `emulated` (its exact emulation, the CPU default); `auto` = bucketed on GPU.
     recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
       the worst case). With adaptive_buffers this is where the trainer starts (None: 1.25).

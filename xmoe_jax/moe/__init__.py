@@ -3,7 +3,8 @@
 Files: layer.py (the public layer), body.py (route, keep, dispatch, statistics),
 dispatchers.py (the table of dispatch modes), placement.py (the block's shard_map),
 router.py, capacity.py, experts.py, dense.py / padded.py / pft.py / rbd.py (dispatch
-paths), exchange.py (the padding-free exchange), stages.py, stats.py, params.py.
+paths), exchange.py (the padding-free exchange), transports.py (the table of transports),
+stages.py, stats.py, params.py.
 """
 
 from xmoe_jax.moe.layer import moe_layer

@@ -155,8 +155,8 @@ def platform_of(backend: str | None = None) -> str:
     backend = backend or running
     if backend != "gpu":
         return backend
-    version = jax.devices()[0].client.platform_version if running == "gpu" else ""
-    return "rocm" if "rocm" in str(version).lower() else "cuda"
+    client = getattr(jax.devices()[0], "client", None) if running == "gpu" else None
+    return "rocm" if "rocm" in str(getattr(client, "platform_version", "")).lower() else "cuda"
 
 
 def process_layout() -> str:
