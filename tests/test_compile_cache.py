@@ -108,3 +108,31 @@ def test_damaged_entries_are_dropped_in_one_line_and_intact_ones_checked_once(tm
     monkeypatch.setattr(compile_cache, "_intact", lambda data: pytest.fail("an entry checked twice"))
     assert compile_cache.enable(str(folder)) == folder  # the record holds it: not read again
     assert [r.getMessage() for r in caplog.records] == [f"compilation cache: {folder}"]
+
+
+@pytest.mark.slow  # an xmoe-train subprocess that compiles without a cache: ~40 s on a shared CPU
+def test_xmoe_train_with_a_cache_it_cannot_write_says_off_once(tmp_path):
+    """Issue 38, through the CLI: a cache folder that exists but takes no file (sysfs) printed two
+    JAX UserWarnings per compiled program while the start-up line said the cache was on."""
+    import os
+    import subprocess
+    import sys
+
+    from clirun import REPO, args, env
+
+    folder = Path("/sys/kernel")
+    try:
+        os.close(os.open(folder / ".xmoe-probe", os.O_CREAT | os.O_WRONLY, 0o644))
+        pytest.skip("/sys/kernel takes files on this machine: no unwritable folder to test with")
+    except OSError:
+        pass
+    environ = {k: v for k, v in env(8, tmp_path).items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    argv = [*args(tmp_path / "run", "train.steps=2"), "--compile-cache", str(folder)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "xmoe_jax.cli", *argv], env=environ, cwd=REPO, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "compilation cache" in line or "persistent" in line]
+    assert len(lines) == 1 and f"compilation cache off: {folder} cannot be written" in lines[0], lines
+    assert "UserWarning" not in proc.stderr
