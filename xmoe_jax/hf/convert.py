@@ -3,7 +3,8 @@
 Import (`import_checkpoint`):
   1. read config.json, pick the adapter by `model_type`, make our Config (the adapter refuses
      what we do not implement) and apply the user's dotted overrides (mesh, train, data, ...);
-  2. check the tensors: every one the model needs is there, none is left over;
+  2. check the tensors: every one the model needs is there, none is left over (and, as each is
+     read, that it holds no NaN or infinity, unless `allow_nonfinite`);
   3. build each parameter on the mesh from the tensors each device's shard covers;
   4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state), the source
      config.json as hf_config.json (export starts from it: token ids and the like survive) and
@@ -15,7 +16,7 @@ Export (`export_checkpoint`):
   3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
      a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`),
      all into a temporary sibling of the output folder that replaces it at the end (`export_dir.py`:
-     what an existing folder may hold, what of it survives).
+     what an existing folder may hold, what of it survives, one export per folder at a time).
 Both check their paths before anything loads and report their stages through `report`; import
 reads config.json through `config_json.py`, which names the file and the field of a bad value.
 """

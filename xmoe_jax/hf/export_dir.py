@@ -297,23 +297,31 @@ def staged(target: Target) -> Iterator[Path]:
                 f"the export could not be written beside {target.out} ({_reason(e)}); nothing of it is left "
                 f"and {target.out} is as it was: free space (or raise the quota or `ulimit -f`), then run the same command"
             ) from None
-        _swap(tmp, target)
+        try:
+            _swap(tmp, target)
+        except OSError as e:  # carrying a kept file (a copy across file systems) or a rename
+            raise ExportWriteError(
+                f"the export could not be moved into {target.out} ({_reason(e)}); nothing of it is left and "
+                f"{target.out} is as it was: fix what the reason names, then run the same command"
+            ) from None
     except BaseException:  # an error or Ctrl-C while writing: nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def _safetensor_error() -> type[Exception]:
-    """safetensors' own error (a full disk while it writes is one), or OSError if it has none."""
+    """safetensors' own error class (a full disk while it writes a file raises it)."""
     from safetensors import SafetensorError
 
     return SafetensorError
 
 
 def _reason(e: Exception) -> str:
+    """The cause in a few words: an OSError's, or the I/O error inside safetensors' message."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text.split("I/O error: ")[-1].split(" (os error")[
-        0
-    ]  # safetensors' "... I/O error: File too large (os error 27)"
+    cause = text.split("I/O error: ")[
+        -1
+    ]  # "Error while serializing: I/O error: File too large (os error 27)"
+    return cause.split(" (os error")[0]
