@@ -23,7 +23,7 @@ import os
 import zlib
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("xmoe_jax")
 
 ENV = "XMOE_COMPILE_CACHE"
 OFF = "off"
