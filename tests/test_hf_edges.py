@@ -410,5 +410,6 @@ def test_import_refuses_a_nonfinite_weight_naming_it_unless_asked(hf, tmp_path, 
     what = "1 NaN and 0 infinite" if bad != bad else "0 NaN and 1 infinite"
     assert f"tensor {tensor!r} of {file} holds {what} values" in err and "--allow-nonfinite" in err, err
     assert not out.exists()
-    assert convert_main(["import", "--hf-dir", str(src), "--out", str(out), "--allow-nonfinite"]) == 0
-    assert (out / "config.yaml").is_file()
+    if bad != bad:  # asked for: imported as it is (once: an import takes seconds)
+        assert convert_main(["import", "--hf-dir", str(src), "--out", str(out), "--allow-nonfinite"]) == 0
+        assert (out / "config.yaml").is_file()
