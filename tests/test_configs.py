@@ -237,3 +237,21 @@ def test_removed_offload_policy_is_refused_with_its_reason():
 
     with pytest.raises(ConfigError, match=r"offload_experts was removed.*save_exchange"):
         ModelConfig(remat="offload_experts")
+
+
+def test_the_cli_refuses_the_removed_offload_policy_with_its_reason(tmp_path, capsys) -> None:
+    """Issue 38: through the CLI (`--set` or a YAML file) loading refused it first, with the bare
+    list of choices: the reason and the save_exchange fix never reached a user."""
+    from xmoe_jax.cli import train_main
+
+    yaml_file = tmp_path / "offload.yaml"
+    yaml_file.write_text(TINY.read_text().replace("model:\n", "model:\n  remat: offload_experts\n", 1))
+    for argv in (
+        ["--config", str(TINY), "--set", "model.remat=offload_experts"],
+        ["--config", str(yaml_file)],
+    ):
+        assert train_main([*argv, "--set", f"train.run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.remat=offload_experts was removed" in err[0], err
+        assert "use model.remat=save_exchange" in err[0] and "not one of" not in err[0]
+    assert not (tmp_path / "run").exists()

@@ -26,6 +26,7 @@ EXIT_CODES = {
     "DamagedCheckpointError": 2,
     "IntegrityError": 2,
     "CheckpointWriteError": 1,
+    "ExportWriteError": 1,
     "TrainingError": 1,
     "TraceError": 2,
 }

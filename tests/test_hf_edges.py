@@ -272,3 +272,144 @@ def test_ctrl_c_while_the_checkpoint_is_read_is_one_line_and_130(run, hf, tmp_pa
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not _siblings(out)
+
+
+# ----------------------------------------------------------------------------- issues 37 (3.1, 3.3) and 38
+
+
+def _during_export(monkeypatch, action) -> None:
+    """Runs `action()` once while the export writes its first safetensors file."""
+    real, done = st._to_file, []
+
+    def hooked(tensors, path):
+        if not done:
+            done.append(action())
+        real(tensors, path)
+
+    monkeypatch.setattr(st, "_to_file", hooked)
+
+
+def test_files_put_into_out_during_an_export_stay(run, hf, tmp_path, monkeypatch, capsys) -> None:
+    """Issue 37 3.1: `--out` was checked at the start and swapped at the end, so a file put there
+    meanwhile was deleted, exit 0. Over an earlier export it is carried over; into a folder that
+    was empty it makes the folder someone else's: the export is refused at the swap."""
+    out = tmp_path / "out"
+    shutil.copytree(hf, out)
+    _during_export(monkeypatch, lambda: (out / "notes.txt").write_text("mine"))
+    assert convert_main(["export", "--run-dir", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    assert not _siblings(out)
+    capsys.readouterr()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _during_export(monkeypatch, lambda: (empty / "weights.bin").write_text("someone's"))
+    assert convert_main(["export", "--run-dir", str(run), "--out", str(empty)]) == 2
+    err = _error(capsys)
+    assert "changed during the export" in err and "weights.bin" in err, err
+    assert _names(empty) == {"weights.bin"} and not _siblings(empty)
+
+
+def test_two_exports_to_one_out_never_both_succeed(run, hf, tmp_path, monkeypatch, capsys) -> None:
+    """Issue 37 3.1: two exports to one `--out` both reported success, one's weights gone. The
+    second is refused while the first holds the folder, naming it."""
+    out = tmp_path / "out"
+    argv = ["export", "--run-dir", str(run), "--out", str(out), "--overwrite"]
+    second = []
+    _during_export(monkeypatch, lambda: second.append((convert_main(argv), _error(capsys))))
+    assert convert_main(argv) == 0
+    code, err = second[0]
+    assert code == 2 and f"{tmp_path} is in use by another xmoe-convert export: pid {os.getpid()}" in err, err
+    assert "choose another --out" in err
+    assert (out / "model.safetensors").is_file() and not _siblings(out)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the lock file gone too
+
+
+def test_a_hard_killed_exports_folders_are_put_back_or_removed(run, hf, tmp_path, capsys) -> None:
+    """Issue 37 3.1: a SIGKILL mid-export left `.out.xmoe-export-<pid>` (partial), or, during the
+    swap, the earlier export as `.out.xmoe-export-old-<pid>` with `--out` gone. The next export
+    puts the earlier one back (then replaces it as asked) and removes the partial one, naming both."""
+    out = tmp_path / "out"
+    shutil.copytree(hf, tmp_path / ".out.xmoe-export-old-4194305")  # --out moved aside, then killed
+    (tmp_path / ".out.xmoe-export-4194305").mkdir()
+    (tmp_path / ".out.xmoe-export-4194305" / "shard-00000.tmp").write_bytes(b"half")
+    assert convert_main(["export", "--run-dir", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"put back {out}" in err and "removed" in err and ".out.xmoe-export-4194305" in err, err
+    assert "holds an earlier export; pass --overwrite" in err  # the put-back export is not lost
+    assert (out / MARKER).is_file() and not _siblings(out)
+    shutil.copytree(hf, tmp_path / ".out.xmoe-export-old-4194306")  # killed after the swap
+    assert convert_main(["export", "--run-dir", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert "the replaced export of a killed export (pid 4194306)" in capsys.readouterr().err
+    assert not _siblings(out)
+
+
+def test_a_write_failure_is_one_line_status_1_and_leaves_nothing(
+    run, hf, tmp_path, monkeypatch, capsys
+) -> None:
+    """Issue 37 3.3: a full disk or a quota gave a 21-33-line traceback and could leave a partial
+    folder. A real `ulimit -f` (Python turns it into EFBIG; safetensors raises its own error), then a
+    full disk at the marker (an OSError)."""
+    import errno
+    import resource
+
+    from xmoe_jax.hf import export_dir
+
+    out = tmp_path / "out"
+    shutil.copytree(hf, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    argv = ["export", "--run-dir", str(run), "--out", str(out), "--overwrite"]
+
+    def full_disk(tmp):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / MARKER))
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        codes = [convert_main(argv)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    errors = [_error(capsys)]
+    monkeypatch.setattr(export_dir, "_record", full_disk)
+    codes.append(convert_main(argv))
+    errors.append(_error(capsys))
+    assert codes == [1, 1]
+    for err, reason in zip(errors, ("File too large", "No space left on device"), strict=True):
+        assert "could not be written" in err and reason in err and "nothing of it is left" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not _siblings(out) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_exported_files_follow_the_umask(run, tmp_path) -> None:
+    """Issue 38: safetensors wrote the weights 0600, so a shared model folder was unreadable to the
+    group; `save_pretrained` follows the umask, and so does the export now."""
+    for umask, mode in ((0o022, 0o644), (0o007, 0o660)):
+        previous = os.umask(umask)
+        try:
+            out = tmp_path / f"out{umask:o}"
+            export_checkpoint(run, out)
+        finally:
+            os.umask(previous)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert modes["model.safetensors"] == mode and modes["config.json"] == mode, modes
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_import_refuses_a_nonfinite_weight_naming_it_unless_asked(hf, tmp_path, bad, capsys) -> None:
+    """Issue 38: a NaN or infinite weight was imported without a word (the run then trained on NaN)."""
+    tensor = "model.layers.1.self_attn.q_proj.weight"
+    src = _damaged(hf, tmp_path / "hf")
+    file = src / json.loads((src / st.INDEX).read_text())["weight_map"][tensor]
+    tensors = load_file(str(file))
+    tensors[tensor] = tensors[tensor].copy()
+    tensors[tensor][3, 5] = bad
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    out = tmp_path / "run"
+    assert convert_main(["import", "--hf-dir", str(src), "--out", str(out)]) == 2
+    err = _error(capsys)
+    what = "1 NaN and 0 infinite" if bad != bad else "0 NaN and 1 infinite"
+    assert f"tensor {tensor!r} of {file} holds {what} values" in err and "--allow-nonfinite" in err, err
+    assert not out.exists()
+    if bad != bad:  # asked for: imported as it is (once: an import takes seconds)
+        assert convert_main(["import", "--hf-dir", str(src), "--out", str(out), "--allow-nonfinite"]) == 0
+        assert (out / "config.yaml").is_file()

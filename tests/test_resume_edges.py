@@ -54,6 +54,8 @@ def test_resume_never_writes_over_a_run_it_cannot_continue(tmp_path, change, mes
         loop.train(tiny_config(run), resume=True)
     assert yaml.safe_load((run / "config.yaml").read_text()) == saved  # untouched
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    left = sorted(p.name for p in run.iterdir())
+    assert left == ["config.yaml", "metrics.jsonl"]  # no empty checkpoints/ (issue 38)
 
 
 class _Spy:

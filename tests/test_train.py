@@ -275,3 +275,20 @@ def test_resume_under_another_dispatch_mode(rbd_run, second):
     assert sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
         assert abs(resumed.losses[step] - full.losses[step]) < 1e-5 * abs(full.losses[step]), step
+
+
+def test_the_skip_warning_does_not_suggest_skip(caplog):
+    """Issue 38: with train.nan_policy=skip on, the warning still said "or set train.nan_policy=skip"."""
+    from xmoe_jax.train import hooks
+
+    for policy in ("skip", "stop"):
+        run = hooks.Loop(tiny("unused", f"train.nan_policy={policy}"), *[None] * 5)
+        caplog.clear()
+        try:
+            run.check(3, {"loss": float("nan"), "finite": False})
+        except TrainingError as e:
+            message = str(e)
+        else:
+            message = caplog.records[-1].getMessage()
+        assert "non-finite loss (nan), gradient or update at step 3" in message
+        assert ("set train.nan_policy=skip" in message) == (policy == "stop"), message

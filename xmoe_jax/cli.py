@@ -259,8 +259,7 @@ def train_main(argv: list[str] | None = None) -> int:
     distributed.quiet_unless_main(launch)
     from xmoe_jax.launch import compile_cache, peers
 
-    cache = compile_cache.enable(args.compile_cache)  # before the first compile
-    logging.getLogger("xmoe_jax").info("compilation cache: %s", cache or "off (--compile-cache)")
+    compile_cache.enable(args.compile_cache)  # before the first compile; says where, or off and why
     from xmoe_jax.train import preemption
     from xmoe_jax.train.loop import train
     from xmoe_jax.train.preemption import PREEMPTED_EXIT_CODE, Preempted

@@ -95,6 +95,11 @@ def convert_main(argv: list[str] | None = None) -> int:
         help="safetensors + config.json (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)",
     )
     imp.add_argument("--out", required=True, help="the new run directory (config.yaml, checkpoints/0)")
+    imp.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="import weights that hold NaN or infinite values (refused by default, naming the tensor)",
+    )
     exp = sub.add_parser("export", help="a run's checkpoint -> safetensors + config.json for transformers")
     exp.add_argument("--run-dir", required=True)
     exp.add_argument(
@@ -135,7 +140,9 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     with value_errors_are_bad_input():
         if args.command == "import":
-            cfg = import_checkpoint(args.hf_dir, args.out, args.overrides, report=progress)
+            cfg = import_checkpoint(
+                args.hf_dir, args.out, args.overrides, report=progress, allow_nonfinite=args.allow_nonfinite
+            )
             print(next_steps(args.hf_dir, cfg))
         else:
             files = export_checkpoint(

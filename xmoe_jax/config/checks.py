@@ -8,6 +8,7 @@ import types
 import typing
 from typing import Any, Literal
 
+from xmoe_jax.config.choices import removed
 from xmoe_jax.errors import ConfigError
 
 
@@ -23,7 +24,11 @@ def _check_choices(obj: Any, prefix: str) -> None:
         value = getattr(obj, name)
         if typing.get_origin(base) is Literal and value is not None:
             choices = typing.get_args(base)
-            _check(value in choices, f"{prefix}{name}={value!r} is not one of {list(choices)}")
+            _check(
+                value in choices,
+                removed(base, value, prefix + name)
+                or f"{prefix}{name}={value!r} is not one of {list(choices)}",
+            )
 
 
 # Numeric fields: every float must be finite, and every number at least its lower bound, which is

@@ -35,6 +35,26 @@ RopeScalingType = Literal["yarn"]
 FP8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
 FP8Format = Literal["e4m3", "e5m2"]
 
+# values a field took once: why each went and what to use instead (`{field}` is the dotted field).
+# Loading (`loading._coerce`, the CLI's path) and the dataclasses (`checks._check_choices`) both
+# refuse them with this reason, never with the bare list of choices.
+REMOVED: dict[object, dict[str, str]] = {
+    RematMode: {
+        "offload_experts": (
+            "{field}=offload_experts was removed: on an H100 it trained a different model (loss 9.442 "
+            "against 9.160 for none, full and save_dots after 15 steps; benchmarks/memory.md) while costing "
+            "more time than full recomputation; use {field}=save_exchange (what it kept on the device) or full"
+        ),
+    },
+}
+
+
+def removed(tp: object, value: object, field: str) -> str | None:
+    """The reason a removed `value` of the Literal `tp` is refused, naming `field`; None otherwise."""
+    reason = REMOVED.get(tp, {}).get(value) if isinstance(value, str) else None
+    return reason.format(field=field) if reason else None
+
+
 DISPATCH_MODES = typing.get_args(Dispatch)
 TRANSPORTS = typing.get_args(Transport)
 # the dispatch modes whose routed rows cross devices (moe/dispatchers.py's `exchanges_tokens`; config

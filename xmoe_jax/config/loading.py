@@ -13,6 +13,7 @@ from typing import Any, Literal
 from xmoe_jax.config import yaml_io
 from xmoe_jax.config.applies import check_switches
 from xmoe_jax.config.checks import _resolve_type
+from xmoe_jax.config.choices import removed
 from xmoe_jax.config.run import Config
 from xmoe_jax.errors import ConfigError
 
@@ -45,7 +46,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
-            raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
+            raise ConfigError(removed(base, value, path) or f"{path}={value!r} is not one of {list(choices)}")
         return value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

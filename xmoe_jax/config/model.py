@@ -253,13 +253,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         p = "model."
-        _check(
-            self.remat != "offload_experts",
-            f"{p}remat=offload_experts was removed: on an H100 it trained a different model (loss 9.442 "
-            "against 9.160 for none, full and save_dots after 15 steps; benchmarks/memory.md) while costing "
-            f"more time than full recomputation; use {p}remat=save_exchange (what it kept on the device) or full",
-        )
-        _check_choices(self, p)
+        _check_choices(self, p)  # offload_experts: refused with its reason (choices.REMOVED)
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "dense_hidden", "max_seq_len"):
             _check(getattr(self, name) >= 1, f"{p}{name}={getattr(self, name)} must be >= 1")
         _check(

@@ -3,7 +3,8 @@
 Import (`import_checkpoint`):
   1. read config.json, pick the adapter by `model_type`, make our Config (the adapter refuses
      what we do not implement) and apply the user's dotted overrides (mesh, train, data, ...);
-  2. check the tensors: every one the model needs is there, none is left over;
+  2. check the tensors: every one the model needs is there, none is left over (and, as each is
+     read, that it holds no NaN or infinity, unless `allow_nonfinite`);
   3. build each parameter on the mesh from the tensors each device's shard covers;
   4. write the run: config.yaml, a step-0 checkpoint (fresh optimizer state), the source
      config.json as hf_config.json (export starts from it: token ids and the like survive) and
@@ -15,7 +16,7 @@ Export (`export_checkpoint`):
   3. write the tensors in HF names (per-expert layout, as `save_pretrained` writes) a layer at
      a time into (sharded) safetensors, config.json and the run's tokenizer (`tokenizer.py`),
      all into a temporary sibling of the output folder that replaces it at the end (`export_dir.py`:
-     what an existing folder may hold, what of it survives).
+     what an existing folder may hold, what of it survives, one export per folder at a time).
 Both check their paths before anything loads and report their stages through `report`; import
 reads config.json through `config_json.py`, which names the file and the field of a bad value.
 """
@@ -136,12 +137,15 @@ def _rules_for(adapter: Adapter, cfg: Config, targets: dict) -> list:
     return rules
 
 
-def load_hf_weights(hf_dir: str | Path, cfg: Config, mesh) -> tuple[dict, dict]:
-    """(params, bias) of a HuggingFace directory, each leaf placed on `mesh` as cfg says."""
+def load_hf_weights(
+    hf_dir: str | Path, cfg: Config, mesh, allow_nonfinite: bool = False
+) -> tuple[dict, dict]:
+    """(params, bias) of a HuggingFace directory, each leaf placed on `mesh` as cfg says; a NaN or
+    infinite weight is refused naming its tensor unless `allow_nonfinite`."""
     adapter = adapter_for(read_hf_config(hf_dir).get("model_type"))
     targets = _targets(fmodel.model_spec(cfg.model, cfg.parallel), mesh, cfg.mesh.fsdp)
     rules = _rules_for(adapter, cfg, targets)
-    reader = Reader(hf_dir)
+    reader = Reader(hf_dir, check_finite=not allow_nonfinite)
     ignored = IGNORED_TENSORS + adapter.ignored_tensors
     ignored += ("lm_head.weight",) if cfg.model.tie_embeddings else ()
     offsets = layer_offsets(cfg.model.num_dense_layers, cfg.model.num_layers)
@@ -159,9 +163,12 @@ def import_checkpoint(
     out_dir: str | Path,
     overrides: list[str] | None = None,
     report: Callable[[str], None] = _no_report,
+    *,
+    allow_nonfinite: bool = False,
 ) -> Config:
     """Steps 1-4 of the module docstring; returns the Config written to out_dir/config.yaml. A new
-    `out_dir` is removed again if the import stops half way (an error, Ctrl-C)."""
+    `out_dir` is removed again if the import stops half way (an error, Ctrl-C). A NaN or infinite
+    weight stops it, naming the tensor, unless `allow_nonfinite`."""
     out = export_dir.out_folder(out_dir, "the new run")
     if RunDir(out).holds_run():  # before anything loads
         raise ConversionError(f"--out {out_dir} already holds a run; choose a new run directory")
@@ -177,7 +184,7 @@ def import_checkpoint(
     try:
         with jax.set_mesh(mesh):
             report(f"reading the tensors of {hf_dir} onto {mesh.size} device(s)")
-            weights = load_hf_weights(hf_dir, cfg, mesh)
+            weights = load_hf_weights(hf_dir, cfg, mesh, allow_nonfinite)
             report(f"writing step 0 of the run {out_dir}")
             save_initial(cfg, weights, mesh)
         shutil.copyfile(Path(hf_dir) / "config.json", RunDir(out_dir).hf_source_config)
@@ -239,11 +246,25 @@ def export_checkpoint(
     """Steps 1-3 of the module docstring, into `out_dir` as `export_dir.py` allows (`overwrite` an
     earlier export; `replace_tokenizer` one the folder had); returns the names of the files written
     besides config.json (safetensors, index, tokenizer). `report` gets a line per stage."""
-    import ml_dtypes
-
-    target = export_dir.plan(out_dir, overwrite, replace_tokenizer)  # before anything loads
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"--dtype {dtype!r}: choose float32 (exact) or bfloat16")
+    with export_dir.held(out_dir, report):  # one export per folder, from the plan to the swap
+        target = export_dir.plan(out_dir, overwrite, replace_tokenizer)  # before anything loads
+        return _export(target, run_dir, step, arch, dtype, overrides, max_shard_bytes, report)
+
+
+def _export(
+    target: export_dir.Target,
+    run_dir: str | Path,
+    step: int | None,
+    arch: str | None,
+    dtype: str,
+    overrides: list[str] | None,
+    max_shard_bytes: int,
+    report: Callable[[str], None],
+) -> list[str]:
+    import ml_dtypes
+
     cfg, step = RunDir(run_dir).config_at(step, overrides)  # the config that step was written under
     adapter = choose_adapter(cfg, arch)
     cfg.validate_for_devices(jax.device_count(), jax.process_count())

@@ -12,6 +12,7 @@ bfloat16 tensors are numpy arrays of `ml_dtypes.bfloat16` (a jax dependency).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -34,12 +35,15 @@ def _unreadable(path: Path, e: Exception, key: str | None = None) -> ConfigError
 
 
 class Reader:
-    """Every tensor of the safetensors files in `directory` (one file, or shards + index)."""
+    """Every tensor of the safetensors files in `directory` (one file, or shards + index). With
+    `check_finite`, a read that holds a NaN or an infinity is a `ConfigError` naming the tensor and
+    its file (an import: a damaged download or a diverged model would train on as NaN)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, check_finite: bool = False):
         from safetensors import safe_open
 
         self.directory = Path(directory)
+        self.check_finite = check_finite
         index = self.directory / INDEX
         if index.is_file():
             files = _indexed_files(index)
@@ -79,9 +83,25 @@ class Reader:
         """The tensor `key`, or only `index` (a tuple of ints / slices) of it."""
         try:
             part = self._where[key].get_slice(key)
-            return np.asarray(part[index] if index else part[:])
+            array = np.asarray(part[index] if index else part[:])
         except Exception as e:  # the data behind a valid header is cut short or garbled
             raise _unreadable(self._file[key], e, key) from None
+        if self.check_finite:
+            _check_finite(array, key, self._file[key])
+        return array
+
+
+def _check_finite(array: np.ndarray, key: str, path: Path) -> None:
+    if array.dtype.kind in "biu":
+        return
+    bad = ~np.isfinite(array)  # float16/32/64 and ml_dtypes' bfloat16 / float8 alike
+    if bad.any():
+        nan = int(np.isnan(array).sum())
+        raise ConfigError(
+            f"tensor {key!r} of {path} holds {nan} NaN and {int(bad.sum()) - nan} infinite values (in the part "
+            "read): the file is damaged or the model diverged; download it again, or pass --allow-nonfinite "
+            "to import it as it is"
+        )
 
 
 def _indexed_files(index: Path) -> list[str]:
@@ -99,10 +119,26 @@ def _indexed_files(index: Path) -> list[str]:
     return files
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _to_file(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """One safetensors file, readable as the user's umask says (safetensors itself writes 0600, so a
+    shared model folder was unreadable to the group; `save_pretrained` follows the umask)."""
     from safetensors.numpy import save_file
 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def write_sharded(

@@ -77,12 +77,12 @@ class Loop:
         if not bool(metrics["finite"]):
             msg = (
                 f"non-finite loss ({loss}), gradient or update at step {step}; this step was not applied. "
-                "Lower optimizer.lr, raise optimizer.warmup_steps, or set train.nan_policy=skip"
+                "Lower optimizer.lr or raise optimizer.warmup_steps"
             )
             if cfg.train.nan_policy == "stop":
-                raise TrainingError(msg + _last_checkpoint(self.ckpt))
+                raise TrainingError(f"{msg}, or set train.nan_policy=skip{_last_checkpoint(self.ckpt)}")
             self.skipped.append(step)
-            log.warning("skipped: %s", msg)
+            log.warning("skipped: %s (train.nan_policy=skip)", msg)
         overflow = int(metrics.get("num_overflow", 0))
         if overflow:
             msg = (

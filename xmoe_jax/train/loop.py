@@ -14,6 +14,7 @@ process agrees on (`preemption`, through the stop hook).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -95,11 +96,17 @@ def train(
     )
     eval_data = make_eval_input(cfg, process_index=process_index, process_count=num_processes)  # [eval]
     ckpt_dir = run.checkpoints if cfg.checkpoint.enabled else None
+    made = ckpt_dir is not None and not ckpt_dir.exists()  # the check below creates it
     lock = runlock.claim(
         run.root, process_index == 0, ckpt_dir
     )  # reliability: writable, one writer at a time
     try:
         return _start(cfg, run, data_iter, resume, eval_data, new_data)
+    except ConfigError:  # refused before training (a --resume it cannot continue)
+        if made:  # no empty checkpoints/ left behind
+            with contextlib.suppress(OSError):
+                ckpt_dir.rmdir()  # only if empty
+        raise
     finally:
         lock.release()
 

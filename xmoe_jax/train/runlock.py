@@ -3,24 +3,52 @@
 `claim(run_dir)` runs before anything compiles:
   1. the directory must be a directory we can write (a file, or a read-only or forbidden
      path, is a `ConfigError` naming the path and the fix);
-  2. process 0 takes the lock `<run_dir>/run.lock` (created with O_EXCL; it holds the
-     holder's host, pid, PID namespace, boot id, process start time and SLURM job) and
-     refreshes its time stamp every `REFRESH_S` seconds from a daemon thread; every process
+  2. process 0 takes the lock `<run_dir>/run.lock` (`RunLock.acquire`, below) and every process
      learns the outcome.
-A lock is stale, and is taken over with a warning, when its holder is provably gone: on this
-host, in this PID namespace and boot, its pid no longer runs (or runs another program: the
-start time differs); it belongs to an earlier run of this same SLURM job (a requeue); or it has
-not been refreshed for `STALE_AFTER_S` seconds (the only test for a holder on another host, in
-another PID namespace or before a reboot: a pid means nothing there). Otherwise the second
-trainer stops, naming the holder.
-The takeover is a compare-and-swap (`_take_over`): rename the stale file to a name of our own,
-check it is the very file judged stale (inode, time stamp, content), else put it back; so of
-several trainers that find one stale lock at once exactly one removes it.
+
+How `acquire` excludes a second holder (two mechanisms; the kernel's is the one that decides):
+  1. open `run.lock` (created if absent) and take an exclusive advisory lock on it, `flock`,
+     without waiting. The kernel holds it for as long as the file stays open, which is the
+     process's lifetime, and drops it when the process dies, however it dies. Busy: another
+     process holds the run; refused, naming the holder its record describes.
+  2. check that the path still names the file we locked (a holder that released unlinks the file
+     while it still holds the lock, so a taker that opened it before sees another inode and
+     tries again).
+  3. read the record the file holds: host, pid, PID namespace, boot id, process start time, SLURM
+     job, command. Empty (a first start, or a taker that died before writing): ours. A holder
+     that is provably gone (`_stale_reason`: on this host, PID namespace and boot its pid no
+     longer runs, or runs another program; an earlier run of this SLURM job; not refreshed for
+     `STALE_AFTER_S` seconds): ours, with a warning naming why. A holder that may still run,
+     though the kernel says nobody holds the lock: refused (a file system whose locks are not
+     seen across nodes, or an older xmoe_jax without the lock; see below).
+  4. write our record into the file we hold, and refresh its time stamp every `REFRESH_S` s.
+A takeover is step 1's lock, which one process at most holds at a time: there is no rename,
+and no moment in which the path is free to a third trainer, so no interleaving of any number of
+contenders yields two holders. `release` unlinks the file before it closes it (step 2).
+
+Which file systems are trusted:
+  - local (ext4, xfs, tmpfs, overlayfs): `flock` is exact; the record only names the holder.
+  - NFS (v4, or v3 with lockd running): Linux sends `flock` to the server as a whole-file POSIX
+    lock, seen by every client. A client that dies keeps it until the server's lease expires
+    (v4: about 90 s) or, on v3, until that node restarts; meanwhile a trainer is refused naming
+    the holder, and removing `run.lock` frees the run. POSIX semantics also mean that any close
+    of the file by the holder's process drops the lock, so the holder never opens it twice.
+  - Lustre: mounted with `-o flock`, cluster-coherent like NFS. `-o localflock` lies: the lock
+    is seen on one node only; trainers on two nodes are then kept apart by step 3's record,
+    which holds once the first has written it (milliseconds after it starts), but not for two
+    started at the same instant. `-o noflock` (and any file system that refuses `flock`):
+    one warning, and the record alone decides: a fresh lock is created with O_EXCL (atomic on
+    NFS and Lustre), and a stale one is never taken over automatically (that takeover has a
+    window no rename closes), so the message asks the user to remove it.
+A file system that claims to lock and does not (NFS mounted with `nolock` or `local_lock=all`)
+is the `localflock` case above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +56,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from xmoe_jax.config import ConfigError
@@ -141,10 +168,43 @@ def _describe(holder: dict, age_s: float) -> str:
     )
 
 
+# errors of a file system that does not do `flock` (Lustre -o noflock, some FUSE mounts, NFS
+# without lockd); ENOTSUP is EOPNOTSUPP on Linux
+_NO_LOCKS = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL})
+_RETRIES = 10
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _parse(raw: bytes) -> dict | None:
+    """The holder a lock file records; {} when empty, None when half-written (not a JSON object)."""
+    if not raw.strip():
+        return {}
+    try:
+        holder = json.loads(raw)
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _read_fd(fd: int) -> tuple[dict | None, float]:
+    """The record of the open lock file and its age in seconds; read through `fd`: on NFS, where
+    `flock` is a POSIX lock, closing any other descriptor of the file would drop our lock."""
+    return _parse(os.pread(fd, 1 << 16, 0)), time.time() - os.fstat(fd).st_mtime
+
+
 class RunLock:
     """`<run_dir>/run.lock`, held while this process trains in `run_dir` (see the module docstring).
-    Other writers of a folder (`xmoe-tokenize`) name their own lock file (`path`), the program that
-    holds it (`user`) and the other choice (`fix`) for the refusal's message."""
+    Other writers of a folder (`xmoe-tokenize`, `xmoe-convert export`) name their own lock file
+    (`path`), the program that holds it (`user`) and the other choice (`fix`) for the refusal's
+    message. One `RunLock` per path and process: on NFS two in one process do not exclude each other."""
 
     def __init__(
         self,
@@ -157,90 +217,135 @@ class RunLock:
         self._user, self._fix = user, fix
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fd: int | None = None
         self._held = False
 
-    def acquire(self) -> None:
-        """Takes the lock or raises `ConfigError` naming its holder."""
-        for _ in range(3):  # a takeover races at most with other takeovers
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._take_over_if_stale()
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(_me(), f)
-            self._held = True
-            self._thread = threading.Thread(target=self._refresh, name="xmoe-run-lock", daemon=True)
-            self._thread.start()
-            return
-        raise ConfigError(f"could not take the lock {self.path}; try again")
+    @property
+    def held(self) -> bool:
+        return self._held
 
-    def _take_over_if_stale(self) -> None:
+    def acquire(self) -> None:
+        """Takes the lock (steps 1-4 of the module docstring) or raises `ConfigError` naming its holder."""
+        for _ in range(_RETRIES):  # a retry follows a holder's release between our open and our lock
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                created = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                except PermissionError:  # another user's lock: it cannot be ours
+                    raise self._refusal(*self._read_path(), busy=True) from None
+                created = False
+            try:
+                held = self._take(fd, created)
+            except BaseException:
+                os.close(fd)
+                raise
+            if held:
+                self._fd, self._held = fd, True
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._refresh, name="xmoe-run-lock", daemon=True)
+                self._thread.start()
+                return
+            os.close(fd)
+        raise ConfigError(
+            f"could not take the lock {self.path}: it was replaced {_RETRIES} times meanwhile; try again"
+        )
+
+    def _take(self, fd: int, created: bool) -> bool:
+        """Steps 1-4 on the open lock file: True when it is ours, False to try again, else refused."""
         try:
-            raw = self.path.read_bytes()
-            seen = os.stat(self.path)
-        except FileNotFoundError:
-            return  # released meanwhile: try again
-        age = time.time() - seen.st_mtime
-        try:
-            holder = json.loads(raw)
-            holder = holder if isinstance(holder, dict) else {}
-        except ValueError:
-            holder = {}  # half-written: judge by age
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # the kernel says a live process holds it
+            raise self._refusal(*_read_fd(fd), busy=True) from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            return self._take_without_locks(fd, created, e)
+        if not _same_file(fd, self.path):
+            return False  # its holder released (unlinked) it after our open: try the new one
+        holder, age = _read_fd(fd)
+        if holder is None:
+            log.warning(
+                "took over the lock %s: its record was half-written (a process killed as it started)",
+                self.path,
+            )
+        elif holder:
+            reason = _stale_reason(holder, age)
+            if reason is None:  # free to the kernel, yet its record names a holder that may run
+                raise self._refusal(holder, age)
+            log.warning("took over the lock %s: %s", self.path, reason)
+        self._write(fd)
+        return True
+
+    def _take_without_locks(self, fd: int, created: bool, e: OSError) -> bool:
+        """A file system that refuses `flock`: the record alone decides, and nothing is taken over."""
+        log.warning(
+            "%s: the file system refuses locks (flock: %s); the lock's record alone keeps a second writer "
+            "out, and a stale lock is not taken over (on Lustre, mount with -o flock)",
+            self.path,
+            e.strerror,
+        )
+        if created:  # O_EXCL: only one creator
+            self._write(fd)
+            return True
+        holder, age = _read_fd(fd)
+        if not holder:
+            holder = {}  # empty or half-written: described as such
         reason = _stale_reason(holder, age) if holder else ("unreadable" if age > 10 else None)
         if reason is None:
-            raise ConfigError(
-                f"{self.path.parent} is in use by {self._user}: {_describe(holder, age)}. Wait for it "
-                f"to finish, stop it, or {self._fix}; if that process is gone "
-                f"(for example its node failed), remove {self.path}"
-            )
-        if self._take_over(raw, seen):
-            log.warning("took over the run directory lock %s: %s", self.path, reason)
-
-    def _take_over(self, raw: bytes, seen: os.stat_result) -> bool:
-        """Removes the stale lock only if `path` still is the file judged stale (compare-and-swap):
-        rename it to a name of our own, compare, and put back a file that is not it."""
-        aside = self.path.with_name(
-            f"{self.path.name}.stale.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
+            raise self._refusal(holder, age)
+        raise ConfigError(
+            f"{self.path.parent} has a stale lock ({reason}), and its file system refuses locks "
+            f"(flock: {e.strerror}), so it is not taken over automatically: make sure no other process "
+            f"uses {self.path.parent}, then remove {self.path} and start again"
         )
+
+    def _read_path(self) -> tuple[dict, float]:
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False  # another taker removed it first
-        got = os.stat(aside)
-        same = (got.st_dev, got.st_ino, got.st_mtime_ns) == (seen.st_dev, seen.st_ino, seen.st_mtime_ns)
-        if same and aside.read_bytes() == raw:
-            aside.unlink()
-            return True
-        try:  # a fresh lock another trainer made (or the holder refreshed it): put it back, never over another
-            os.link(aside, self.path)
-        except FileExistsError:
-            log.error(
-                "%s: moved a live trainer's lock aside while a third trainer took the lock; two trainers "
-                "may now share %s (see %s)",
-                self.path,
-                self.path.parent,
-                aside,
+            holder = _parse(self.path.read_bytes())
+            age = time.time() - os.stat(self.path).st_mtime
+        except OSError:
+            return {}, 0.0
+        return holder or {}, age
+
+    def _refusal(self, holder: dict | None, age: float, busy: bool = False) -> ConfigError:
+        holder = holder or {}
+        who = _describe(holder, age)
+        reason = _stale_reason(holder, age) if holder and busy else None
+        if reason is not None:  # its record is out of date, yet the kernel's lock is held
+            who = (
+                f"a process holding the lock, whose record still names {who}, although {reason} "
+                "(another taker right now, or a failed node whose NFS lock outlives it)"
             )
-            return False
-        aside.unlink()
-        return False
+        return ConfigError(
+            f"{self.path.parent} is in use by {self._user}: {who}. Wait for it to finish, stop it, "
+            f"or {self._fix}; if that process is gone (for example its node failed), remove {self.path}"
+        )
+
+    def _write(self, fd: int) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_me()).encode(), 0)
 
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            with contextlib.suppress(OSError, TypeError):
+                os.utime(self._fd)  # through the descriptor: never a second open (see `_read_fd`)
 
     def release(self) -> None:
+        """Unlinks the file while still holding its lock, then closes it (the lock goes with it)."""
         if not self._held:
             return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+        fd, self._fd, self._held = self._fd, None, False
+        with contextlib.suppress(OSError):
+            if _same_file(fd, self.path):
                 self.path.unlink()
-        self._held = False
+        os.close(fd)
 
 
 def claim(run_dir: Path, is_main: bool, checkpoints: Path | None = None) -> RunLock:
