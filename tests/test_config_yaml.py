@@ -72,7 +72,9 @@ def test_a_typod_key_names_the_file_line_column_and_the_key_meant(tmp_path, caps
     with pytest.raises(ConfigError) as e:
         load_config(path)
     msg = str(e.value)
-    assert msg.startswith(f"config file {path}:5:3: unknown config key train.stpes; did you mean train.steps?")
+    assert msg.startswith(
+        f"config file {path}:5:3: unknown config key train.stpes; did you mean train.steps?"
+    )
     assert "valid keys under 'train'" in msg and "\n" not in msg
     assert params_main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
