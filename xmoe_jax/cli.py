@@ -462,11 +462,7 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    out = pathlib.Path(args.output)
-    if not out.parent.exists():  # a typo must not create a tree (a file there: tokenize_to_shards)
-        raise ConfigError(
-            f"--output {out}: its folder {out.parent} does not exist; create it first or fix the path"
-        )
+    out = pathlib.Path(args.output)  # created with its parents; a file in the way: tokenize_to_shards
     try:
         summary = tokenize_to_shards(
             args.input,
@@ -489,12 +485,23 @@ def tokenize_main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _tokenize_lock(out: pathlib.Path):
-    """One xmoe-tokenize per output folder: the trainer's lock (`runlock.RunLock`), in the output."""
+    """One xmoe-tokenize per output folder: the trainer's lock (`runlock.RunLock`), in the output.
+    A lock file that could not be written whole (a full disk) is removed: it would refuse the rerun."""
+    from xmoe_jax import storage
     from xmoe_jax.data.tokenize import LOCK_NAME
     from xmoe_jax.train.runlock import RunLock
 
     lock = RunLock(out, out / LOCK_NAME, "another xmoe-tokenize", "choose another --output")
-    lock.acquire()
+    try:
+        with storage.writing(lock.path):
+            lock.acquire()
+    except storage.WriteError:
+        try:
+            json.loads(lock.path.read_text())  # whole: a holder's, kept
+        except (OSError, ValueError):  # the half this process wrote
+            with contextlib.suppress(OSError):
+                lock.path.unlink()
+        raise
     try:
         yield
     finally:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import pathlib
 import shutil
 
+from xmoe_jax import storage
 from xmoe_jax.config import Config, ConfigError, SourceConfig
 from xmoe_jax.data import sources
 from xmoe_jax.data.arrayrecord import read_manifest
@@ -67,13 +69,28 @@ def fingerprint(name: str) -> str:
 
 
 def copy_tokenizer(name: str, dest: pathlib.Path) -> None:
-    """Copies the tokenizer's files into `dest` (a directory `load_tokenizer` reads); nothing for bytes."""
+    """Copies the tokenizer's files into `dest` (a directory `load_tokenizer` reads); nothing for
+    bytes. A new `dest` appears whole or not at all (copied into a temporary folder beside it, then
+    renamed): a failed copy (a full disk) must not leave half a tokenizer that the next run takes
+    for the data's (`storage.WriteError` naming `dest`). An existing `dest` (an export's folder)
+    gets the files one by one."""
     files = tokenizer_files(name)
     if not files:
         return
-    dest.mkdir(parents=True, exist_ok=True)
-    for key, path in files.items():
-        shutil.copyfile(path, dest / key)
+    if dest.is_dir():  # a folder that holds other files too (an export): file by file
+        for key, path in files.items():
+            shutil.copyfile(path, dest / key)
+        return
+    tmp = dest.with_name(f".{dest.name}.partial")
+    try:
+        with storage.writing(dest):
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed copy's
+            tmp.mkdir(parents=True)
+            for key, path in files.items():
+                shutil.copyfile(path, tmp / key)
+            os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
