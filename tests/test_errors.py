@@ -29,6 +29,7 @@ EXIT_CODES = {
     "CheckpointWriteError": 1,
     "TrainingError": 1,
     "TraceError": 2,
+    "WriteError": 1,
 }
 NOT_ERRORS = {"XmoeError": "the root itself", "Preempted": "a stop on request (status 75), not an error"}
 
