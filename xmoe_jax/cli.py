@@ -405,15 +405,26 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
     """Orbax logs each failed background write with its traceback, from several threads (a full disk
-    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each,
-    and none for asyncio's copy of a storage error orbax already logged."""
+    printed ~1,400 lines, then four long lines); the trainer reports the failure itself in one line
+    (`CheckpointWriteError`), so drop orbax's own, and asyncio's copy of a storage error orbax
+    already logged; any other logged exception keeps one line."""
     if record.name not in ("absl", "asyncio") or not record.exc_info:  # orbax logs through both
         return True
+    if record.name == "absl" and _raised_in_orbax(record.exc_info[2]):
+        return False  # raised on to the caller, which says it in one line
     if record.name == "asyncio" and "os_error_code" in str(record.exc_info[1]):
         return False  # "Task exception was never retrieved": the failed write, once more
     record.msg, record.args = record.getMessage().splitlines()[0][:300], None
     record.exc_info, record.exc_text = None, None
     return True
+
+
+def _raised_in_orbax(tb) -> bool:
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _drop_closed_loop_callbacks(unraisable) -> None:
