@@ -202,3 +202,38 @@ def test_prompt_ids_that_are_not_integers_name_the_flag(tmp_path, capsys):
     assert generate_main(["--run-dir", str(tmp_path), "--prompt-ids", "a b"]) == 2
     err = capsys.readouterr().err
     assert "--prompt-ids 'a b': 'a' is not a token id" in err and "--prompt-ids '1 2 3'" in err
+
+
+def test_the_trainers_own_files_on_a_full_disk_are_one_line(tmp_path, monkeypatch):
+    """Issue 37 3.3: config.yaml and metrics.jsonl on a full disk ended the run with a traceback
+    (config.yaml left half written)."""
+    import io
+    import pathlib
+
+    from xmoe_jax.config import Config
+    from xmoe_jax.storage import WriteError
+    from xmoe_jax.train.metrics import MetricsLogger
+
+    def full(self, *a, **k):
+        self.open("w").write("half")  # what a full disk leaves
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "write_text", full)
+        with pytest.raises(
+            WriteError, match=r"config.yaml could not be written \(No space left on device\); free"
+        ):
+            rundir.RunDir(tmp_path).write_config(Config())
+    assert os.listdir(tmp_path) == []  # neither config.yaml nor its partial copy
+
+    class FullFile(io.StringIO):
+        def flush(self):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    logger = MetricsLogger(tmp_path, 2, stream=io.StringIO())
+    logger._file = FullFile()
+    with pytest.raises(WriteError) as e:
+        logger.log({"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "tflops_per_device": 0.0})
+    assert f"{tmp_path / 'metrics.jsonl'} could not be written (Disk quota exceeded)" in str(e.value)
+    assert "run the same command with --resume" in str(e.value)
+    logger.close()  # reported already: no second error

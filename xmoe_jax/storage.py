@@ -72,15 +72,15 @@ def reason(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def writing(path: str | os.PathLike) -> Iterator[None]:
-    """Raises a `WriteError` naming `path` if the block's write fails (an `OSError`, or the
-    `RuntimeError` a native writer raises for one)."""
+def writing(path: str | os.PathLike, fix: str = DEFAULT_FIX) -> Iterator[None]:
+    """Raises a `WriteError` naming `path` (and `fix`) if the block's write fails (an `OSError`, or
+    the `RuntimeError` a native writer raises for one)."""
     try:
         yield
     except WriteError:
         raise
     except (OSError, RuntimeError) as e:
-        raise WriteError(path, reason(e)) from e
+        raise WriteError(path, reason(e), fix) from e
 
 
 @contextlib.contextmanager
