@@ -16,8 +16,9 @@ Exit status of `xmoe-train` (docs/reliability.md):
         died or failed (`xmoe_jax.launch.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
         or in use by another trainer), an incompatible checkpoint or none that restores intact;
-    75  stopped by a signal of train.stop_signals after saving a checkpoint (EX_TEMPFAIL):
-        run the same command with --resume (the SLURM scripts requeue the job).
+    75  stopped by a signal of train.stop_signals (EX_TEMPFAIL) after saving a checkpoint: run the
+        same command with --resume (the SLURM scripts requeue the job); or at once before the
+        first step ran (restoring, compiling), nothing saved: run the same command again.
 Errors print one line naming the problem and the fix.
 
 `xmoe-generate` and `xmoe-convert` (the commands that read or write a model) are in
