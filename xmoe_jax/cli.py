@@ -411,21 +411,14 @@ def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
     already logged; any other logged exception keeps one line."""
     if record.name not in ("absl", "asyncio") or not record.exc_info:  # orbax logs through both
         return True
-    if record.name == "absl" and _raised_in_orbax(record.exc_info[2]):
-        return False  # raised on to the caller, which says it in one line
+    frames = traceback.walk_tb(record.exc_info[2])
+    if record.name == "absl" and any(f"{os.sep}orbax{os.sep}" in f.f_code.co_filename for f, _ in frames):
+        return False  # raised in orbax and on to the caller, which says it in one line
     if record.name == "asyncio" and "os_error_code" in str(record.exc_info[1]):
         return False  # "Task exception was never retrieved": the failed write, once more
     record.msg, record.args = record.getMessage().splitlines()[0][:300], None
     record.exc_info, record.exc_text = None, None
     return True
-
-
-def _raised_in_orbax(tb) -> bool:
-    while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _drop_closed_loop_callbacks(unraisable) -> None:
