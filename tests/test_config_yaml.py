@@ -63,3 +63,35 @@ def test_well_formed_files_still_load(tmp_path: pathlib.Path) -> None:
     path.write_text(GOOD + "optimizer: {lr: 1.0e-3}\n")
     cfg = load_config(path)
     assert (cfg.model.hidden, cfg.train.steps, cfg.optimizer.lr) == (64, 3, 1.0e-3)
+
+
+def test_a_typod_key_names_the_file_line_column_and_the_key_meant(tmp_path, capsys) -> None:
+    """Issue 37 3.8: `stpes:` was refused with the valid keys only: no file, line or suggestion."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden: 64\ntrain:\n  seed: 1\n  stpes: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert msg.startswith(
+        f"config file {path}:5:3: unknown config key train.stpes; did you mean train.steps?"
+    )
+    assert "valid keys under 'train'" in msg and "\n" not in msg
+    assert params_main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ":5:3:" in err
+    path.write_text("modle:\n  hidden: 64\n")  # a section: the top level's keys
+    with pytest.raises(ConfigError, match=rf"{path}:1:1: unknown config key modle; did you mean model\?"):
+        load_config(path)
+
+
+def test_a_typod_override_names_the_flag_and_the_key_meant(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(GOOD)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["model.moe.topk=2"])
+    msg = str(e.value)
+    assert msg.startswith("--set model.moe.topk=2: unknown config key model.moe.topk; did you mean")
+    assert "model.moe.top_k?" in msg and str(path) not in msg
+    with pytest.raises(ConfigError) as e:  # nothing close: no guess, the valid keys still listed
+        load_config(None, ["train.zzzzzz=1"])
+    assert "did you mean" not in str(e.value) and "valid keys under 'train'" in str(e.value)

@@ -20,6 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "xmoe_jax"
 # every exception class in the package and the exit status it means; a new one must be added here
 EXIT_CODES = {
     "ConfigError": 2,
+    "UnknownKeyError": 2,
     "ConversionError": 2,
     "DistributedError": 2,
     "CheckpointError": 2,
@@ -29,6 +30,7 @@ EXIT_CODES = {
     "ExportWriteError": 1,
     "TrainingError": 1,
     "TraceError": 2,
+    "WriteError": 1,
 }
 NOT_ERRORS = {"XmoeError": "the root itself", "Preempted": "a stop on request (status 75), not an error"}
 

@@ -2,7 +2,9 @@
 resumed run's losses equal an uninterrupted run's, bitwise (CPU, 8 fake devices, the tiny model).
 
 One uninterrupted run in this process is the reference; the interrupted runs are the real CLI in
-subprocesses (SIGTERM, twice) and `train()` in this process (SIGINT from a helper thread).
+subprocesses (SIGTERM, twice) and `train()` in this process (SIGINT from a helper thread). Before
+the first step (compiling) a stop signal ends the CLI at once, and the same command starts again
+(issue 37 3.6).
 """
 
 from __future__ import annotations
@@ -166,3 +168,58 @@ def test_a_sigterm_storm_still_ends_in_75_with_the_lock_removed(tmp_path, compil
     assert cli.wait(120) == PREEMPTED_EXIT_CODE, cli.err
     assert not (run / "run.lock").exists() and sent > 10
     assert cli.err.count("received SIGTERM again") == 1
+
+
+BEFORE_FIRST_STEP = """
+import pathlib, signal, sys, threading, os, time
+from xmoe_jax.train import preemption
+preemption.ignore_after_stop()  # as the CLI: the process exits on a stop
+tidied = pathlib.Path(sys.argv[1])
+with preemption.StopSignals("SIGINT,SIGTERM", None, before_first_step=tidied.unlink):
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    time.sleep(60)  # stands for XLA's compiler, which returns only when done
+"""
+
+
+def test_a_stop_signal_before_the_first_step_ends_the_cli_at_once():
+    """Issue 37 3.6: Ctrl-C while the first step compiled was held until it had run (27.6 s on a CPU,
+    minutes on a GPU), then checkpoint 1 was saved and the same command refused the run directory.
+    Now: the loop's cleanup, one line and status 75 within moments."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        tidied = f.name
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE_FIRST_STEP, tidied],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == PREEMPTED_EXIT_CODE and time.monotonic() - started < 20, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stopped by SIGINT before the first step: nothing new saved" in lines[0], lines
+    assert "run the same command to start again (exit status 75)" in lines[0]
+    assert not os.path.exists(tidied)  # the loop's cleanup ran
+
+
+@pytest.mark.slow  # ~60 s: a CLI run interrupted while it compiles, then the same command in full
+def test_ctrl_c_while_compiling_stops_at_once_and_the_same_command_starts_again(tmp_path, compile_cache):
+    run = tmp_path / "run"
+    fresh = tmp_path / "cache"  # nothing compiled yet: the first step compiles for seconds
+    fresh.mkdir()
+    first = Cli(args(run), env(8, fresh, XMOE_COMPILE_CACHE=str(fresh)), tmp_path, "first")
+    first.wait_until(lambda: "compiling the train step" in first.err, 240, "the compile started")
+    time.sleep(0.5)
+    sent = time.monotonic()
+    first.signal(signal.SIGINT)
+    assert first.wait(60) == PREEMPTED_EXIT_CODE, first.err
+    assert time.monotonic() - sent < 10, "not at once"
+    after = first.err.split("compiling the train step")[1].strip().splitlines()[1:]
+    assert len(after) == 1 and "stopped by SIGINT before the first step" in after[0], first.err
+    assert not (run / "run.lock").exists() and not (run / "metrics.jsonl").exists()
+    assert not list((run / "checkpoints").iterdir())
+    second = Cli(args(run), env(8, compile_cache), tmp_path, "second")  # the same command
+    assert second.wait(240) == 0, second.err
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))

@@ -5,13 +5,15 @@ The README's "Your data" path: `xmoe-tokenize --tokenizer tokenizer.json`, then 
 `xmoe-generate` died in a traceback, `--set data.tokenizer` on it came too late, and `xmoe-eval`
 on other text tokenized it as bytes. Checked here: xmoe-tokenize keeps a copy and a fingerprint;
 the trainer takes the data's tokenizer and refuses a different explicit one before compiling;
-the run keeps a copy; generate uses it (eval: `tests/test_eval_watch.py`).
+the run keeps a copy; generate uses it (eval: `tests/test_eval_watch.py`). A damaged copy, beside
+the shards or in the run, is named where it is first read (issue 37 3.5).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 
 import pytest
 import yaml
@@ -82,6 +84,42 @@ def test_a_different_tokenizer_is_refused_before_training(corpus, tokenizer, cap
         and "leave data.tokenizer unset" in err
     )
     assert not (tmp_path / "run").exists()  # refused before anything was written or compiled
+
+
+@pytest.mark.parametrize("damage", ["truncated", "edited"])
+def test_a_damaged_tokenizer_beside_the_shards_is_named_before_training(corpus, damage, tmp_path, capsys):
+    """Issue 37 3.5: the trainer copied it into the run without a word; xmoe-generate then blamed a
+    data.tokenizer setting the user never made."""
+    data = tmp_path / "corpus"
+    shutil.copytree(corpus / "data" / "corpus", data)
+    copy = data / "tokenizer" / "tokenizer.json"
+    if damage == "truncated":
+        copy.write_text(copy.read_text()[:500])
+    else:  # reads, but is not the tokenizer the ids were made with
+        shutil.copyfile(corpus / "other" / "tokenizer.json", copy)
+    run = tmp_path / "run"
+    argv = ["--config", TINY, "--set", f"data.path={data}", "--set", "model.vocab_size=512"]
+    assert train_main([*argv, "--set", f"train.run_dir={run}", *SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(copy) in err[0] and "data.tokenizer" not in err[0], err
+    assert f"the copy of the tokenizer data.path={str(data)!r} was made with" in err[0]
+    assert "run the xmoe-tokenize command again" in err[0] and not run.exists()
+
+
+def test_generate_names_a_damaged_copy_of_the_runs_tokenizer(corpus, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"tokenizer": "auto"}}))
+    copy = run / "tokenizer" / "tokenizer.json"
+    copy.write_text((corpus / "tokenizer.json").read_text()[:500])
+    assert generate_main(["--run-dir", str(run), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and str(copy) in err[0] and f"data.tokenizer={str(run / 'tokenizer')!r}" not in err[0]
+    )
+    assert (
+        f"is the copy of the tokenizer {run} was trained with" in err[0] and "--set data.tokenizer=" in err[0]
+    )
 
 
 def test_bytes_decode_of_large_ids_does_not_raise() -> None:

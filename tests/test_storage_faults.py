@@ -69,6 +69,39 @@ def test_a_failed_background_write_is_one_line_and_the_orbax_logs_too(tmp_path, 
     assert record.exc_info is None and "\n" not in logging.Formatter().format(record)
 
 
+EFBIG_TEXT = (
+    'OUT_OF_RANGE: Error writing "opt.1.0.mu.dense_layers.attn.wq/0.0.0.0" in OCDBT database at local file '
+    '"r1/checkpoints/4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": Error writing '
+    "file: r1/x: File too large [OS error 27: File too large]"
+)
+
+
+def test_a_full_disk_under_training_is_the_trainers_line_only(tmp_path):
+    """Issue 37 3.3: under `ulimit -f` a failed save printed four long orbax lines (its background
+    threads' `logging.exception`s) before the trainer's own, which named tensorstore's status
+    (OUT_OF_RANGE) instead of the file-size limit."""
+    orbax = os.path.join("site-packages", "orbax", "checkpoint", "checkpoint_manager.py")
+    try:  # raised in orbax's code, as its background save raises it
+        exec(compile("raise ValueError(EFBIG_TEXT)", orbax, "exec"), {"EFBIG_TEXT": EFBIG_TEXT})
+    except ValueError:
+        record = logging.getLogger("absl").makeRecord(
+            "absl",
+            logging.ERROR,
+            "absl/logging/__init__.py",
+            1,
+            "Save Finalize thread failed.",
+            (),
+            sys.exc_info(),
+        )
+    assert not _one_line_orbax_errors(record)
+    ckpt = Checkpointer(tmp_path / "checkpoints", CheckpointConfig(every=1))
+    error = ckpt._write_error(4, ValueError(EFBIG_TEXT))
+    assert f"checkpoint step 4 could not be written to {tmp_path / 'checkpoints'}: File too large." in str(
+        error
+    )
+    ckpt.close()
+
+
 def test_the_echoes_of_a_failed_write_are_dropped_and_other_errors_kept(monkeypatch):
     """CI's full-disk run printed 413 lines: asyncio's "Task exception was never retrieved" copy of the
     failed write, and ~100 "Event loop is closed" tracebacks from tensorstore writes that finished
@@ -169,3 +202,38 @@ def test_prompt_ids_that_are_not_integers_name_the_flag(tmp_path, capsys):
     assert generate_main(["--run-dir", str(tmp_path), "--prompt-ids", "a b"]) == 2
     err = capsys.readouterr().err
     assert "--prompt-ids 'a b': 'a' is not a token id" in err and "--prompt-ids '1 2 3'" in err
+
+
+def test_the_trainers_own_files_on_a_full_disk_are_one_line(tmp_path, monkeypatch):
+    """Issue 37 3.3: config.yaml and metrics.jsonl on a full disk ended the run with a traceback
+    (config.yaml left half written)."""
+    import io
+    import pathlib
+
+    from xmoe_jax.config import Config
+    from xmoe_jax.storage import WriteError
+    from xmoe_jax.train.metrics import MetricsLogger
+
+    def full(self, *a, **k):
+        self.open("w").write("half")  # what a full disk leaves
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(pathlib.Path, "write_text", full)
+        with pytest.raises(
+            WriteError, match=r"config.yaml could not be written \(No space left on device\); free"
+        ):
+            rundir.RunDir(tmp_path).write_config(Config())
+    assert os.listdir(tmp_path) == []  # neither config.yaml nor its partial copy
+
+    class FullFile(io.StringIO):
+        def flush(self):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    logger = MetricsLogger(tmp_path, 2, stream=io.StringIO())
+    logger._file = FullFile()
+    with pytest.raises(WriteError) as e:
+        logger.log({"step": 1, "loss": 1.0, "tokens_per_s": 1.0, "tflops_per_device": 0.0})
+    assert f"{tmp_path / 'metrics.jsonl'} could not be written (Disk quota exceeded)" in str(e.value)
+    assert "run the same command with --resume" in str(e.value)
+    logger.close()  # reported already: no second error

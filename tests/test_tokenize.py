@@ -1,7 +1,9 @@
 """`xmoe-tokenize`: shards and summary, an interrupted job resumed equals an uninterrupted one,
 another job's output is refused, and the trainer reads the result. Bad input is one line, status 2
 (issue 31): a damaged manifest.json, inputs edited before a resume, --shard-tokens 0, an --output
-that is a file or lacks its folder, an output another xmoe-tokenize holds; Ctrl-C is one line."""
+that is a file, an output another xmoe-tokenize holds; Ctrl-C is one line. An --output whose folders
+do not exist is created; a write that fails (a full disk) is one line, status 1, no partial file
+(issue 37)."""
 
 from __future__ import annotations
 
@@ -177,10 +179,47 @@ def test_bad_shard_tokens_and_output_paths_are_one_line(inputs, tmp_path, capsys
     assert f"--output {afile} is a file, not a folder" in _one_line_error(capsys)
     assert tokenize_main([*base, "--output", str(afile / "sub")]) == 2
     assert f"is under {afile}, a file" in _one_line_error(capsys)
-    missing = tmp_path / "no" / "such" / "out"
-    assert tokenize_main([*base, "--output", str(missing)]) == 2
-    assert f"its folder {missing.parent} does not exist" in _one_line_error(capsys)
-    assert not (tmp_path / "no").exists()
+
+
+def test_an_output_whose_folders_do_not_exist_is_created(inputs, tmp_path, monkeypatch, capsys) -> None:
+    """Issue 37 3.4: the README's `--output data/corpus`, run in a project without data/, was refused."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--input", str(inputs / "corpus" / "a.jsonl"), "--tokenizer", "bytes", "--output", "data/corpus"]
+    assert tokenize_main(argv) == 0
+    assert (tmp_path / "data" / "corpus" / "manifest.json").is_file()
+    assert "done:" in capsys.readouterr().out
+
+
+# a tokenize job under a file-size limit of `limit` bytes (a full disk, a quota: the same errors)
+LIMITED = """
+import resource, sys
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from xmoe_jax.cli import tokenize_main
+sys.exit(tokenize_main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("limit", [40_000, 2_000, 100], ids=["shard", "tokenizer-copy", "lock"])
+def test_a_write_that_fails_is_one_line_and_leaves_no_partial_file(inputs, tmp_path, limit) -> None:
+    """Issue 37 3.3: a full disk or a quota (`ulimit -f` here) printed a 21-33-line traceback and left
+    the unfinished shard behind. Now: one line naming the file and the fix, status 1, no partial
+    file; the same command then resumes."""
+    out = tmp_path / "out"
+    argv = [*_args(inputs, "unused"), "--output", str(out), "--input", str(inputs / "corpus" / "a.jsonl")]
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, str(limit), *argv], capture_output=True, text=True, timeout=120
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith(f"error: {out}/") and "could not be written (File too large)" in lines[0]
+    assert "then run the same command: it resumes after the last finished shard" in lines[0]
+    assert not [p.name for p in out.rglob("*") if p.name.endswith((".tmp", ".partial"))]
+    if limit < 7000:  # failed while copying the tokenizer (7.7 kB): no half copy
+        assert not (out / "tokenizer").exists()
+    assert tokenize_main(argv) == 0
+    assert tokenize_main([*argv, "--output", str(tmp_path / "reference")]) == 0
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "reference")
 
 
 def test_a_second_tokenizer_on_one_output_is_refused_naming_the_first(inputs, tmp_path, capsys) -> None:

@@ -16,8 +16,9 @@ Exit status of `xmoe-train` (docs/reliability.md):
         died or failed (`xmoe_jax.launch.peers`), or an unexpected error;
     2   bad input, before anything compiled: config, data, run directory (a file, read-only,
         or in use by another trainer), an incompatible checkpoint or none that restores intact;
-    75  stopped by a signal of train.stop_signals after saving a checkpoint (EX_TEMPFAIL):
-        run the same command with --resume (the SLURM scripts requeue the job).
+    75  stopped by a signal of train.stop_signals (EX_TEMPFAIL) after saving a checkpoint: run the
+        same command with --resume (the SLURM scripts requeue the job); or at once before the
+        first step ran (restoring, compiling), nothing saved: run the same command again.
 Errors print one line naming the problem and the fix.
 
 `xmoe-generate` and `xmoe-convert` (the commands that read or write a model) are in
@@ -404,10 +405,14 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 def _one_line_orbax_errors(record: logging.LogRecord) -> bool:
     """Orbax logs each failed background write with its traceback, from several threads (a full disk
-    printed ~1,400 lines); the trainer reports the failure itself in one line, so keep one line each,
-    and none for asyncio's copy of a storage error orbax already logged."""
+    printed ~1,400 lines, then four long lines); the trainer reports the failure itself in one line
+    (`CheckpointWriteError`), so drop orbax's own, and asyncio's copy of a storage error orbax
+    already logged; any other logged exception keeps one line."""
     if record.name not in ("absl", "asyncio") or not record.exc_info:  # orbax logs through both
         return True
+    frames = traceback.walk_tb(record.exc_info[2])
+    if record.name == "absl" and any(f"{os.sep}orbax{os.sep}" in f.f_code.co_filename for f, _ in frames):
+        return False  # raised in orbax and on to the caller, which says it in one line
     if record.name == "asyncio" and "os_error_code" in str(record.exc_info[1]):
         return False  # "Task exception was never retrieved": the failed write, once more
     record.msg, record.args = record.getMessage().splitlines()[0][:300], None
@@ -461,11 +466,7 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     def report(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    out = pathlib.Path(args.output)
-    if not out.parent.exists():  # a typo must not create a tree (a file there: tokenize_to_shards)
-        raise ConfigError(
-            f"--output {out}: its folder {out.parent} does not exist; create it first or fix the path"
-        )
+    out = pathlib.Path(args.output)  # created with its parents; a file in the way: tokenize_to_shards
     try:
         summary = tokenize_to_shards(
             args.input,
@@ -488,12 +489,23 @@ def tokenize_main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _tokenize_lock(out: pathlib.Path):
-    """One xmoe-tokenize per output folder: the trainer's lock (`runlock.RunLock`), in the output."""
+    """One xmoe-tokenize per output folder: the trainer's lock (`runlock.RunLock`), in the output.
+    A lock file that could not be written whole (a full disk) is removed: it would refuse the rerun."""
+    from xmoe_jax import storage
     from xmoe_jax.data.tokenize import LOCK_NAME
     from xmoe_jax.train.runlock import RunLock
 
     lock = RunLock(out, out / LOCK_NAME, "another xmoe-tokenize", "choose another --output")
-    lock.acquire()
+    try:
+        with storage.writing(lock.path):
+            lock.acquire()
+    except storage.WriteError:
+        try:
+            json.loads(lock.path.read_text())  # whole: a holder's, kept
+        except (OSError, ValueError):  # the half this process wrote
+            with contextlib.suppress(OSError):
+                lock.path.unlink()
+        raise
     try:
         yield
     finally:

@@ -2,7 +2,8 @@
 
 Why from metrics.jsonl: it is the run's one record of what happened (TensorBoard reads the same
 numbers), it survives resumes (records are appended), and a plot needs no JAX. Written to
-`<run_dir>/plots/` (or `out_dir`):
+`<run_dir>/plots/` (or `out_dir`, created with its parents), each picture whole or not at all (a
+full disk: `storage.WriteError` naming the file, no partial picture left):
 
   loss.png         training loss (and cross-entropy when a balance loss is added) and eval loss
                    against the step
@@ -18,8 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from xmoe_jax import storage
 from xmoe_jax.config import ConfigError
 from xmoe_jax.train.rundir import RunDir
+
+WRITE_FIX = "free space, raise the quota or the file-size limit (ulimit -f), or name another folder (--out)"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -62,8 +66,18 @@ def _loss_png(plt, train: list[dict], evals: list[dict], title: str, path: Path)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> None:
+    """The figure as a PNG at `path`, through a temporary name: whole or not at all."""
+    try:
+        with storage.replacing(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    except storage.WriteError as e:
+        raise e.with_fix(WRITE_FIX) from e
+    finally:
+        plt.close(fig)
 
 
 MAX_EXPERT_LABELS = 16
@@ -101,8 +115,7 @@ def _expert_load_png(plt, train: list[dict], title: str, path: Path) -> None:
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -117,7 +130,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         )
     plt = _pyplot()
     out = Path(out_dir) if out_dir is not None else RunDir(run_dir).plots
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with storage.writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+    except storage.WriteError as e:
+        raise e.with_fix(WRITE_FIX) from e
     written = [out / "loss.png"]
     _loss_png(plt, train, evals, f"{run_dir.name}: loss", written[0])
     if any(r.get("expert_load") for r in train):

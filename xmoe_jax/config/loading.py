@@ -1,10 +1,12 @@
 """Configs in and out: plain data (YAML, JSON, a checkpoint's saved config) to the dataclasses and
 back, dotted `--set` overrides, and the migration of older layouts. Unknown keys and wrong types
-are errors naming the key, never ignored."""
+are errors naming the key, never ignored; an unknown key also names the key it most likely meant
+and where it was written (the file's line and column, or the `--set` that gave it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import pathlib
 import typing
@@ -27,6 +29,27 @@ MOVED_TO_PARALLEL = {
     "model.moe.auto_shard": "parallel.auto_shard",
     "model.sequence_parallel": "parallel.sequence_parallel",
 }
+
+
+class UnknownKeyError(ConfigError):
+    """A config key that no config section has; `key` is its dotted name, so that `load_config` can
+    say where it was written."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def _unknown_key(prefix: str, key: str, names: set[str]) -> UnknownKeyError:
+    """The error for `prefix + key`, with the closest valid key (difflib) when one is close."""
+    close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+    section = f"valid keys under '{prefix.rstrip('.') or '<top>'}'"
+    fix = (
+        f"did you mean {prefix}{close[0]}? ({section}: {sorted(names)})"
+        if close
+        else f"{section} are {sorted(names)}"
+    )
+    return UnknownKeyError(f"{prefix}{key}", f"unknown config key {prefix}{key}; {fix}")
 
 
 def _coerce(path: str, tp: Any, value: Any) -> Any:
@@ -86,10 +109,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
                 f"write {moved}={data[key]} (a top-level '{moved.split('.')[0]}:' section in YAML) instead"
             )
     if unknown:
-        raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]}; valid keys under "
-            f"'{prefix.rstrip('.') or '<top>'}' are {sorted(names)}"
-        )
+        raise _unknown_key(prefix, unknown[0], names)
     kwargs = {k: _coerce(prefix + k, hints[k], v) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -169,7 +189,21 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] | N
         data = yaml_io.load_file(p) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    return from_dict(override_dict(data, overrides))
+    try:
+        return from_dict(override_dict(data, overrides))
+    except UnknownKeyError as e:
+        raise ConfigError(f"{_written_at(e.key, path, overrides)}: {e}") from None
+
+
+def _written_at(key: str, path: str | pathlib.Path | None, overrides: list[str] | None) -> str:
+    """Where the unknown dotted `key` came from: the last `--set` that gives it (or a key under it),
+    else `config file PATH:LINE:COLUMN`."""
+    for item in reversed(overrides or []):
+        given = item.split("=", 1)[0].strip()
+        if given == key or given.startswith(key + "."):
+            return f"--set {item}"
+    at = yaml_io.key_position(path, key.split(".")) if path is not None else None
+    return f"config file {path}:{at[0]}:{at[1]}" if at else f"config file {path}"
 
 
 def override_dict(data: dict, overrides: list[str] | None) -> dict:

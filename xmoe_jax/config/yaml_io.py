@@ -6,6 +6,8 @@
   - a file that is not UTF-8 names the byte offset and line of the first bad byte;
   - a key given twice in one mapping (`train:` twice) is refused naming the key and both lines
     (PyYAML keeps the last silently, dropping the first section).
+`key_position(path, keys)` says where a key was written, for errors found after loading (an
+unknown key: `loading.py`).
 """
 
 from __future__ import annotations
@@ -85,3 +87,21 @@ def parse_value(key: str, text: str) -> Any:
             f"--set {key}={text}: not a valid YAML value{at}: {problem}; close brackets and quotes, "
             f"or quote the whole value as a string (--set '{key}=\"...\"')"
         ) from None
+
+
+def key_position(path: str | pathlib.Path, keys: list[str]) -> tuple[int, int] | None:
+    """(line, column), 1-based, of the nested key `keys` (["train", "stpes"]) in the YAML file
+    `path`; None if it is not written there. Reads the file again: only an error asks."""
+    try:
+        node = yaml.compose(pathlib.Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    mark = None
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        found = [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key]
+        if not found:
+            return None
+        mark, node = found[-1][0].start_mark, found[-1][1]
+    return (mark.line + 1, mark.column + 1) if mark is not None else None

@@ -16,6 +16,7 @@ A dataset directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -24,6 +25,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from xmoe_jax import storage
 from xmoe_jax.config import ConfigError
 
 MANIFEST = "manifest.json"
@@ -71,10 +73,10 @@ def read_manifest(directory: pathlib.Path) -> dict[str, Any] | None:
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict[str, Any]) -> None:
-    """Atomic: a reader (or a resumed job) sees the old or the new manifest, never half of one."""
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, directory / MANIFEST)
+    """Atomic: a reader (or a resumed job) sees the old or the new manifest, never half of one
+    (`storage.WriteError` naming it if it cannot be written)."""
+    with storage.replacing(directory / MANIFEST) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -83,7 +85,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 class ShardWriter:
     """One shard, written to `<file>.tmp` and renamed on `commit`, so a shard either exists whole
-    or not at all."""
+    or not at all. A write that fails (a full disk) raises `storage.WriteError` naming the shard;
+    `abort` then removes the unfinished file."""
 
     def __init__(self, directory: pathlib.Path, index: int, dtype: np.dtype) -> None:
         from array_record.python.array_record_module import ArrayRecordWriter
@@ -91,21 +94,26 @@ class ShardWriter:
         self.name = f"shard-{index:05d}.array_record"
         self._path = directory / self.name
         self._tmp = directory / (self.name + ".tmp")
-        self._writer = ArrayRecordWriter(str(self._tmp), WRITER_OPTIONS)
+        with storage.writing(self._path):
+            self._writer = ArrayRecordWriter(str(self._tmp), WRITER_OPTIONS)
         self._dtype = dtype
         self.lengths: list[int] = []
         self.tokens = 0
 
     def write(self, tokens: np.ndarray) -> None:
-        self._writer.write(np.asarray(tokens, dtype=self._dtype).tobytes())
+        with storage.writing(self._path):
+            self._writer.write(np.asarray(tokens, dtype=self._dtype).tobytes())
         self.lengths.append(len(tokens))
         self.tokens += len(tokens)
 
     def commit(self) -> dict[str, Any]:
-        self._writer.close()
+        with storage.writing(self._path):
+            self._writer.close()
         lengths = self._path.with_suffix(".lengths.npy")
-        np.save(lengths, np.asarray(self.lengths, dtype=np.int64))
-        os.replace(self._tmp, self._path)
+        with storage.replacing(lengths) as tmp, tmp.open("wb") as f:
+            np.save(f, np.asarray(self.lengths, dtype=np.int64))
+        with storage.writing(self._path):
+            os.replace(self._tmp, self._path)
         return {
             "file": self.name,
             "lengths": lengths.name,
@@ -114,7 +122,8 @@ class ShardWriter:
         }
 
     def abort(self) -> None:
-        self._writer.close()
+        with contextlib.suppress(OSError, RuntimeError):  # the write that failed fails again here
+            self._writer.close()
         self._tmp.unlink(missing_ok=True)
 
 

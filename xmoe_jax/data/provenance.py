@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import pathlib
 import shutil
 
+from xmoe_jax import storage
 from xmoe_jax.config import Config, ConfigError, SourceConfig
 from xmoe_jax.data import sources
 from xmoe_jax.data.arrayrecord import read_manifest
@@ -67,13 +69,28 @@ def fingerprint(name: str) -> str:
 
 
 def copy_tokenizer(name: str, dest: pathlib.Path) -> None:
-    """Copies the tokenizer's files into `dest` (a directory `load_tokenizer` reads); nothing for bytes."""
+    """Copies the tokenizer's files into `dest` (a directory `load_tokenizer` reads); nothing for
+    bytes. A new `dest` appears whole or not at all (copied into a temporary folder beside it, then
+    renamed): a failed copy (a full disk) must not leave half a tokenizer that the next run takes
+    for the data's (`storage.WriteError` naming `dest`). An existing `dest` (an export's folder)
+    gets the files one by one."""
     files = tokenizer_files(name)
     if not files:
         return
-    dest.mkdir(parents=True, exist_ok=True)
-    for key, path in files.items():
-        shutil.copyfile(path, dest / key)
+    if dest.is_dir():  # a folder that holds other files too (an export): file by file
+        for key, path in files.items():
+            shutil.copyfile(path, dest / key)
+        return
+    tmp = dest.with_name(f".{dest.name}.partial")
+    try:
+        with storage.writing(dest):
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed copy's
+            tmp.mkdir(parents=True)
+            for key, path in files.items():
+                shutil.copyfile(path, tmp / key)
+            os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +116,44 @@ def _made_with(src: SourceConfig, prefix: str) -> _Made | None:
         name = BYTES
     elif (root / COPY_DIR).is_dir():
         name = str(root / COPY_DIR)
+        _check_copy(root / COPY_DIR, manifest.get("tokenizer_sha256"), f"{prefix}path={src.path!r}", recorded)
     else:  # written before copies: the name as xmoe-tokenize was given it
         name = recorded if pathlib.Path(recorded).exists() else None
     sha = manifest.get("tokenizer_sha256") or (fingerprint(name) if name else None)
     vocab, eos = int(manifest.get("vocab_size", 0)), int(manifest.get("eos_id", -1))
     return _Made(f"{prefix}path={src.path!r}", name, recorded, sha, vocab, eos)
+
+
+def _check_copy(copy: pathlib.Path, sha: str | None, where: str, recorded: str) -> None:
+    """The tokenizer xmoe-tokenize copied beside the shards, checked where it is first read: it
+    loads, and its files are those the manifest's fingerprint names. Why here: a damaged copy would
+    go into the run without a word, and the tools would then blame a data.tokenizer nobody set.
+    `ConfigError` naming the file and the fix."""
+    fix = (
+        f"copy the tokenizer the data was made with ({recorded}) into {copy}, or run the xmoe-tokenize "
+        "command again into a new --output"
+    )
+    _check_loads(copy, f"the copy of the tokenizer {where} was made with", fix)
+    if sha is not None and fingerprint(str(copy)) != sha:
+        files = ", ".join(str(p) for p in tokenizer_files(str(copy)).values())
+        raise ConfigError(
+            f"{copy} ({files}), the copy of the tokenizer {where} was made with, differs from the one "
+            f"its manifest.json records (tokenizer_sha256): it was edited or damaged; {fix}"
+        )
+
+
+def _check_loads(copy: pathlib.Path, what: str, fix: str) -> None:
+    """`ConfigError` naming the file of the tokenizer in `copy` that cannot be read (the loader's
+    own error speaks of a data.tokenizer setting, which the user did not make)."""
+    try:
+        load_tokenizer(str(copy))
+    except ConfigError as e:
+        detail = (
+            str(e)
+            .replace(f"data.tokenizer={str(copy)!r}: ", "")
+            .replace(f"data.tokenizer={str(copy)!r}", str(copy))
+        )
+        raise ConfigError(f"{detail} ({copy} is {what}); {fix}") from None
 
 
 def _differs(explicit: str, made: _Made) -> bool:
@@ -185,5 +235,10 @@ def for_tools(copy: pathlib.Path, cfg: Config, overrides: list[str]) -> Config:
     before copies)."""
     overridden = any(o.split("=", 1)[0].strip() == "data.tokenizer" for o in overrides)
     if not overridden and copy.is_dir():
+        fix = (
+            f"copy the tokenizer the run was trained with into {copy}, or name it with "
+            "--set data.tokenizer=PATH"
+        )
+        _check_loads(copy, f"the copy of the tokenizer {copy.parent} was trained with", fix)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy)))
     return resolve(cfg, strict=False, eval_only=True)

@@ -12,6 +12,9 @@ manifest also records each input's size and a hash of its head and tail (`finger
 rerun over inputs edited in between is refused, naming the file, since it would mix old and new
 text. The caller may hold a lock on the output while the job runs (`lock`: `xmoe-tokenize` takes
 the run directory's kind of lock, `<output>/tokenize.lock`), so two jobs never write one output.
+The output folder is created with its parents. A write that fails (a full disk, a quota, a file-size
+limit) is a `storage.WriteError` naming the file, its unfinished file removed: the same command
+resumes once there is room.
 
 The tokenizer travels with the shards: a copy in `<output>/tokenizer/` and its fingerprint in the
 manifest (`tokenizer_sha256`), from which the trainer takes `data.tokenizer` (`provenance.py`).
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from xmoe_jax import storage
 from xmoe_jax.config import ConfigError
 from xmoe_jax.data import documents, fingerprint, provenance
 from xmoe_jax.data.arrayrecord import FORMAT, ShardWriter, read_manifest, token_dtype, write_manifest
@@ -41,6 +45,10 @@ from xmoe_jax.data.tokenizer import load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MB of uint16 ids per shard
 LOCK_NAME = "tokenize.lock"
+WRITE_FIX = (
+    "free space, raise the quota or the file-size limit (ulimit -f), then run the same command: it "
+    "resumes after the last finished shard"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +107,7 @@ def tokenize_to_shards(
     """Tokenizes the documents of `inputs` (a file, folder or glob) into shards under `output`;
     resumes a job that was interrupted. `lock(output)`, if given, is held while the job reads and
     writes the output. `ConfigError` for bad inputs, an output that is a file, another job's
-    output or inputs edited since the job began."""
+    output or inputs edited since the job began; `storage.WriteError` for a write that failed."""
     if shard_tokens < 1:
         raise ConfigError(
             f"--shard-tokens={shard_tokens} must be >= 1 (tokens per shard); leave it out for the "
@@ -109,8 +117,11 @@ def tokenize_to_shards(
     tokenizer = load_tokenizer(tokenizer_name)
     out = pathlib.Path(output)
     make_output(out)
-    with lock(out) if lock is not None else contextlib.nullcontext():
-        return _run(inputs, files, tokenizer, tokenizer_name, out, text_field, shard_tokens, report)
+    try:
+        with lock(out) if lock is not None else contextlib.nullcontext():
+            return _run(inputs, files, tokenizer, tokenizer_name, out, text_field, shard_tokens, report)
+    except storage.WriteError as e:
+        raise e.with_fix(WRITE_FIX) from e
 
 
 def make_output(out: pathlib.Path) -> None:
@@ -161,7 +172,7 @@ def _run(inputs, files, tokenizer, tokenizer_name, out, text_field, shard_tokens
         provenance.copy_tokenizer(tokenizer_name, out / provenance.COPY_DIR)
     done = len(manifest["shards"])
     if not manifest["complete"]:
-        for stray in out.glob("*.tmp"):
+        for stray in [*out.glob("*.tmp"), *out.glob(".*.partial")]:  # a killed job's unfinished files
             stray.unlink()
         start = (
             (manifest["shards"][-1]["next_input"], manifest["shards"][-1]["next_document"])

@@ -143,7 +143,13 @@ def _config_eos(directory: pathlib.Path) -> str | None:
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return None
-    eos = json.loads(path.read_text()).get("eos_token")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is damaged ({e.msg}: line {e.lineno} column {e.colno})") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
     return eos.get("content") if isinstance(eos, dict) else eos
 
 

@@ -29,9 +29,7 @@ checkpoint at step 1.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,8 @@ import orbax.checkpoint as ocp
 from xmoe_jax.config import CheckpointConfig, Config, to_dict
 from xmoe_jax.errors import EXIT_BAD_INPUT, EXIT_FAILED, XmoeError
 from xmoe_jax.launch import distributed
+from xmoe_jax.storage import first_line as _first_line  # resume.py reads it from here
+from xmoe_jax.storage import reason as _storage_reason
 from xmoe_jax.train import integrity, writable
 from xmoe_jax.train.integrity import IntegrityError
 from xmoe_jax.train.integrity import path_str as _path_str
@@ -72,37 +72,6 @@ class DamagedCheckpointError(CheckpointError):
     def __init__(self, step: int, directory: Path, reason: str):
         self.step, self.reason = step, reason
         super().__init__(f"checkpoint step {step} in {directory} {reason}")
-
-
-def _first_line(e: Exception, limit: int = 300) -> str:
-    """An exception in one short line (tensorstore errors carry a whole spec)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = text.split(" See full TensorStore details")[0]
-    return f"{type(e).__name__}: {text[:limit]}"
-
-
-_STORAGE_ERRNOS = (
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EROFS,
-    errno.EACCES,
-    errno.EIO,
-    errno.ENOENT,
-    errno.ESTALE,
-)
-
-
-def _storage_reason(e: BaseException) -> str:
-    """The storage problem behind an orbax or tensorstore error, in a few words."""
-    text = str(e)
-    for code in _STORAGE_ERRNOS:
-        if (
-            getattr(e, "errno", None) == code
-            or os.strerror(code) in text
-            or f"os_error_code='{code}'" in text
-        ):
-            return os.strerror(code)
-    return _first_line(e if isinstance(e, Exception) else Exception(text), 200)
 
 
 # ----------------------------------------------------------------------------- helpers

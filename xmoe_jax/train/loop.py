@@ -9,7 +9,8 @@ or choose a new `train.run_dir`.
 Reliability (docs/reliability.md) enters at marked places: the run directory's
 checks and lock, and the metrics trimmed to the resumed step (`rundir`); the resume
 from the newest intact checkpoint (`resume.py`); the stop on a signal after a step every
-process agrees on (`preemption`, through the stop hook).
+process agrees on (`preemption`, through the stop hook), or at once before the first step, when
+there is nothing to save yet (`_tidy_before_first_step`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def train(
         run.root, process_index == 0, ckpt_dir
     )  # reliability: writable, one writer at a time
     try:
-        return _start(cfg, run, data_iter, resume, eval_data, new_data)
+        return _start(cfg, run, data_iter, resume, eval_data, new_data, lock)
     except ConfigError:  # refused before training (a --resume it cannot continue)
         if made:  # no empty checkpoints/ left behind
             with contextlib.suppress(OSError):
@@ -111,8 +112,21 @@ def train(
         lock.release()
 
 
+def _tidy_before_first_step(run: RunDir, lock: runlock.RunLock, is_main: bool):
+    """What a stop before the first step leaves undone (`preemption._BeforeFirstStep`): an empty
+    metrics.jsonl would make the same command refuse the run directory, and the lock is released.
+    config.yaml and the tokenizer's copy stay: the same command writes them again."""
+
+    def tidy() -> None:
+        if is_main and run.metrics.is_file() and run.metrics.stat().st_size == 0:
+            run.metrics.unlink()
+        lock.release()
+
+    return tidy
+
+
 def _start(
-    cfg: Config, run: RunDir, data_iter, resume: bool, eval_data, new_data: bool = False
+    cfg: Config, run: RunDir, data_iter, resume: bool, eval_data, new_data: bool, lock: runlock.RunLock
 ) -> TrainResult:
     num_processes, process_index = jax.process_count(), jax.process_index()
     ckpt = Checkpointer(run.checkpoints, cfg.checkpoint) if (cfg.checkpoint.enabled or resume) else None
@@ -152,7 +166,8 @@ def _start(
         f" in {num_processes} processes" if num_processes > 1 else "",
         " ".join(f"{name}={size}" for name, size in mesh.shape.items()),
     )
-    with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh) as stop:
+    tidy = _tidy_before_first_step(run, lock, is_main)
+    with jax.set_mesh(mesh), StopSignals(cfg.train.stop_signals, mesh, before_first_step=tidy) as stop:
         return _run(cfg, mesh, ckpt, candidates, data_iter, run, is_main, stop, eval_data, same_data)
 
 
@@ -212,6 +227,7 @@ def _run(
                 first_step_s = time.perf_counter() - started
                 log.info("step %d compiled and ran in %.1f s", step, first_step_s)
                 meter.compiled()  # throughput counts from here
+                stop.first_step_done()  # a stop signal now stops after a step, saving it
             loop.dispatched(step, metrics)  # checks the previous step while this one runs
             logger.progress(step, meter.steps_per_s(), tokens_per_step)
             for hook in registered:

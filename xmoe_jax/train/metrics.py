@@ -23,10 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
+from xmoe_jax import storage
 from xmoe_jax.config import ModelConfig
 from xmoe_jax.params import count_params
 from xmoe_jax.train.rundir import RunDir
 
+RESUME_FIX = (
+    "free space, raise the quota or the file-size limit (ulimit -f), then run the same command with "
+    "--resume (the checkpoints saved are intact)"
+)
 # peak dense bf16 TFLOP/s per device (one GCD for MI250X), by jax device_kind prefix
 PEAK_TFLOPS = {
     "NVIDIA H100": 989.0,
@@ -150,8 +155,9 @@ class MetricsLogger:
     def log(self, record: dict, eta_s: float | None = None) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-        self._file.flush()
+        with storage.writing(self.path, RESUME_FIX):  # a torn last line is trimmed on resume
+            self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.write(record)
         self.stream.write(self._line(record, eta_s) + "\n")
@@ -196,7 +202,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a failed write was reported when it failed
+                self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
 

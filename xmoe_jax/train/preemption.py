@@ -19,14 +19,23 @@ chosen with `--signal`, then SIGKILL after KillWait). The signals named in `trai
      `PREEMPTED_EXIT_CODE`, which the SLURM scripts answer with a requeue.
 JAX's own preemption sync (`multihost_utils.reached_preemption_sync_point`) is not used: it hears
 SIGTERM only and needs `jax.distributed`; the collective above covers any signal and one process.
+
+Before the first step has run (restoring, compiling: minutes on a GPU) there is nothing to save, and
+Python would run the handler only when XLA's compiler returns. A program that exits on a stop (the
+CLI, `ignore_after_stop`) therefore stops at once there instead (`_BeforeFirstStep`): the loop's
+cleanup (the run lock, an empty metrics.jsonl), one line, status 75; the run directory is left as
+the same command starts or resumes it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,14 +92,67 @@ def ignoring_after_stop():
         _ignore_after_stop = before
 
 
+def _leave(code: int) -> None:
+    """Ends the process at once (a test replaces it): the main thread may be inside XLA's compiler."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+class _BeforeFirstStep:
+    """Until `disarm()`, a stop signal runs `on_stop(signal name)` at once, on a thread of its own.
+
+    Python runs a signal's handler on the main thread between bytecodes only, and before the first
+    step the main thread is in XLA's compiler. The C-level handler writes the signal's number to a
+    wakeup fd (`signal.set_wakeup_fd`) at once, though: this thread reads it. `on_stop` does not
+    return (it leaves the process); a signal that comes after `disarm()` is the orderly stop's."""
+
+    def __init__(self, signals: list[signal.Signals], on_stop: Callable[[str], None]):
+        self._numbers = {int(s) for s in signals}
+        self._on_stop = on_stop
+        self._lock = threading.Lock()
+        self.armed = True
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # the C handler must never block
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="xmoe-stop-before-step-1", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while data := os.read(self._read, 64):  # b"": disarmed
+            numbers = [n for n in data if n in self._numbers]
+            if numbers:
+                with self._lock:
+                    if self.armed:
+                        self._on_stop(signal.Signals(numbers[0]).name)
+                    return
+
+    def disarm(self) -> None:
+        """From the main thread (it puts the wakeup fd back): signals go to the orderly stop now."""
+        with self._lock:  # a stop under way holds it until the process has left
+            if not self.armed:
+                return
+            self.armed = False
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._write)
+        self._thread.join(timeout=5)
+        os.close(self._read)
+
+
 class StopSignals:
     """Turns the signals of `train.stop_signals` into a stop after a step every process agrees on.
 
     Use as a context manager around the loop: it installs the handlers (from the main thread only;
-    elsewhere it logs that signals keep their default action) and restores the previous ones.
+    elsewhere it logs that signals keep their default action) and restores the previous ones. With
+    `before_first_step` (the loop's cleanup) and `ignore_after_stop()` in effect, a stop signal that
+    comes before `first_step_done()` ends the process at once, with status 75 (`_BeforeFirstStep`).
     """
 
-    def __init__(self, names: str, mesh: Mesh):
+    def __init__(self, names: str, mesh: Mesh, before_first_step: Callable[[], None] | None = None):
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
@@ -100,6 +162,8 @@ class StopSignals:
         self.stopping = False
         self._repeats = -1  # signals after the first
         self._previous: dict[signal.Signals, Any] = {}
+        self._cleanup = before_first_step
+        self._early: _BeforeFirstStep | None = None
         self._multi = jax.process_count() > 1
         if self._multi:
             self._mesh = mesh
@@ -114,9 +178,29 @@ class StopSignals:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.signals and self._cleanup is not None and _ignore_after_stop:
+            self._early = _BeforeFirstStep(self.signals, self._stop_before_first_step)
         return self
 
+    def first_step_done(self) -> None:
+        """From here on a stop signal stops after a step, saving it (call once the first step ran)."""
+        if self._early is not None:
+            self._early.disarm()
+
+    def _stop_before_first_step(self, name: str) -> None:
+        self.received = name
+        with contextlib.suppress(Exception):  # leaving matters more than tidying
+            self._cleanup()
+        log.warning(
+            "stopped by %s before the first step: nothing new saved; run the same command to start again "
+            "(exit status %d)",
+            name,
+            PREEMPTED_EXIT_CODE,
+        )
+        _leave(PREEMPTED_EXIT_CODE)
+
     def __exit__(self, *exc: object) -> None:
+        self.first_step_done()
         stopped = self.received is not None or self.stopping
         for sig, previous in self._previous.items():
             if stopped and _ignore_after_stop:
@@ -126,6 +210,9 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if self._early is not None and self._early.armed:  # `_BeforeFirstStep` stops and says so;
+            self.received = self.received or name  # if the first step ends first, the loop stops after it
+            return
         self._repeats += 1
         if self.received is None:
             self.received = name

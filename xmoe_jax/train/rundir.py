@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from xmoe_jax import storage
 from xmoe_jax.config import Config, ConfigError, from_dict, load_config, migrate_dict, override_dict, to_dict
 
 log = logging.getLogger("xmoe_jax")
@@ -64,7 +65,9 @@ class RunDir:
     # -- the config
 
     def write_config(self, cfg: Config) -> None:
-        self.config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        """Whole or not at all (`storage.WriteError` naming it on a full disk)."""
+        with storage.replacing(self.config) as tmp:
+            tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def read_start_config(self):
         """config.yaml as written at the start (any YAML value; {} if unreadable), None if absent."""
