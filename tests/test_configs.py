@@ -168,7 +168,7 @@ def test_placement_keys_moved_to_parallel_name_the_new_key(old: str, new: str) -
 
 def test_choice_fields_are_checked_by_their_literal_type(tmp_path: pathlib.Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"parallel\.dispatch='nope' is not one of \['dense', 'padded', 'pft', 'rbd'\]"
+        ConfigError, match=r"parallel\.dispatch='nope' is not one of \['auto', 'dense', 'padded', 'pft', 'rbd'\]"
     ):
         load_config(TINY, ["parallel.dispatch=nope"])
     with pytest.raises(ConfigError, match=r"moe\.activation='relu' is not one of"):

@@ -73,3 +73,10 @@ def test_the_circle_finder_finds_a_circle():
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": set()}
     assert _cycle(graph, "p") == ["p.a", "p.b", "p.c", "p.a"]
     assert _cycle({"p.a": {"p.b"}, "p.b": set()}, "p") is None
+
+
+def test_config_has_no_import_circle():
+    """config/applies.py reads `Config` from run.py, and run.py imports nothing of applies.py (issue 37)."""
+    graph = _graph()
+    assert "xmoe_jax.config.run" in graph["xmoe_jax.config.applies"]
+    assert _cycle(graph, "xmoe_jax.config") is None

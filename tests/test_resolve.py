@@ -96,12 +96,13 @@ def test_one_device_is_a_named_placement():
 
 def test_one_device_takes_a_run_whose_switches_need_its_mesh():
     """A pft run with ragged transport, tensor switches and FP8 dispatch: none of those can apply on
-    one device with dense dispatch (config/applies.py refuses them), so ONE_DEVICE resets them all."""
+    one device (config/applies.py refuses them), so ONE_DEVICE resets them all: the default placement,
+    its `auto` dispatch settled to pft."""
     run = ["mesh.expert=4", "mesh.tensor=2", "parallel.dispatch=pft", "parallel.transport=ragged",
            "parallel.ssmb=true", "parallel.recv_buffer_factor=1.5", "model.fp8={dispatch: true}"]  # fmt: skip
     assert _cfg(*run).parallel.ssmb
     cfg = _cfg(*run, *one_device_overrides())
-    assert cfg.parallel == ParallelConfig() and cfg.model.fp8 is None and cfg.mesh.tensor == 1
+    assert cfg.parallel == ParallelConfig(dispatch="pft") and cfg.model.fp8 is None and cfg.mesh.tensor == 1
 
 
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHERS))

@@ -11,18 +11,18 @@ from xmoe_jax.config import ConfigError, load_config
 from xmoe_jax.config.choices import EXCHANGE_DISPATCH
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
 
-TINY = (
-    pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
-)  # dense dispatch, 1 expert device
+TINY = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"  # pft on 1 expert device
 EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
+ORACLE = "parallel.dispatch=dense"
+DENSE_MODEL = ["model.moe=null", "model.num_dense_layers=3"]  # no routed experts
 
 
 @pytest.mark.parametrize(
     "overrides, field, fix",
     [
         # the case: experts-only / dispatch-only FP8 under dense dispatch ran nothing in FP8
-        (["model.fp8={projections: false}"], "model.fp8.experts=true", "parallel.dispatch=pft"),
-        (["model.fp8={recipe: rowwise}"], "model.fp8.experts=true", "model.fp8.experts=false"),
+        ([ORACLE, "model.fp8={projections: false}"], "model.fp8.experts=true", "parallel.dispatch=pft"),
+        ([ORACLE, "model.fp8={recipe: rowwise}"], "model.fp8.experts=true", "model.fp8.experts=false"),
         (["model.fp8={projections: false, experts: false, dispatch: true}"], "model.fp8.dispatch=true",
          "model.fp8.dispatch=false"),
         (["parallel.dispatch=pft", "model.fp8={experts: false, dispatch: true}"], "model.fp8.dispatch=true",
@@ -38,7 +38,7 @@ EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
         ([*EXCHANGE, "model.moe.capacity_factor=1.25", "parallel.adaptive_buffers=false"],
          "parallel.adaptive_buffers=false", "capacity_factor"),
         (["parallel.buffer_shrink_after=50"], "parallel.buffer_shrink_after=50", "remove it"),
-        (["parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
+        ([ORACLE, "parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
         (["parallel.dispatch=pft", "parallel.auto_shard=true", "parallel.overlap_chunks=2"],
          "parallel.overlap_chunks=2", "auto_shard=false"),
         (["parallel.ssmb=true"], "parallel.ssmb=true", "mesh.tensor > 1"),
