@@ -312,7 +312,7 @@ REFUSALS: tuple[Refusal, ...] = (
             ("model.fp8={projections: false, experts: false, dispatch: true}",)),
     Refusal(("model.fp8.projections",), "model/layers.py, moe/experts.dense_mlp",
             "MLA with no dense layer and no shared expert", _fp8_projections,
-            ("model.attention_type=mla", "model.num_dense_layers=0", "model.moe.num_shared_experts=0",
+            ("model.attention_type=mla", "model.mla={}", "model.num_kv_heads=null", "model.num_dense_layers=0", "model.moe.num_shared_experts=0",
              "model.fp8={experts: false}")),
     Refusal(("parallel.transport",), "moe/exchange.py, moe/layouts.py", "no exchange (not auto)", _transport,
             ("parallel.transport=ragged",)),
