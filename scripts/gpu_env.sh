@@ -21,8 +21,8 @@
 # $TOKENS and $ITERS (default 16384 and 10): the MoE layer benchmarks' tokens per device and timed calls.
 # DRY_RUN=1 is the CPU check of a batch (tests/test_gpu_batches.py, slow suite): JAX on the CPU with 4
 # fake devices (DRY_DEVICES), $SHAPES tiny (hidden 64, 2 layers, sequences of 32 tokens) unless set,
-# MATMUL_SIZE=256, TOKENS=64, ITERS=1, a missing nvidia-smi answers in one line, and gpus N fakes N CPU
-# devices instead of choosing GPUs. Step counts stay the batch's own: what a config change breaks (a
+# MATMUL_SIZE=256, TOKENS=64, ITERS=1, every step's time limit x DRY_SLOWDOWN (6), a missing nvidia-smi
+# answers in one line, and gpus N fakes N CPU devices instead of choosing GPUs. Step counts stay the batch's own: what a config change breaks (a
 # trace past the last step) shows here as on the GPU.
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -50,6 +50,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}  #
 step() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
+  [ -z "${DRY_RUN:-}" ] || limit=$((limit * ${DRY_SLOWDOWN:-6}))  # CPU compiles, fake devices: slower
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
 }
