@@ -90,4 +90,4 @@ def test_every_gpu_batch_runs_on_the_cpu(script, args, env, may_fail, tmp_path):
     assert steps, out[-3000:]
     failed = {name: rc for name, rc in steps.items() if rc != "0" and name not in may_fail}
     assert not failed, f"{failed}\n{out[-5000:]}"
-    assert "ConfigError" not in out and "refused" not in out, out[-5000:]
+    assert "ConfigError" not in out, out[-5000:]
