@@ -4,8 +4,8 @@ without it, is refused, naming the reason and the fix (issue 31).
 The table is data: `REFUSALS` below, one `Refusal` per row, each holding the check that refuses it
 and an example the check must refuse (tests/test_switches.py runs every row's example through its
 own check and through loading; a row cannot be written without a check); `table()` renders it as
-markdown. Each row was checked against the code that reads the field. A
-row's `when` says where its check runs:
+markdown. Each row was checked against the code that reads the field. A row's `when` says where its
+check runs:
   load     `check_switches`, from `loading.from_dict`: every config as written (YAML, `--set`, a
            run's config.yaml), not the facts `resolve.py` fills in later;
   devices  `run.check_mesh_switches`, from `Config.validate_for_devices` (the resolved mesh);
@@ -15,9 +15,9 @@ row's `when` says where its check runs:
 `parallel.overlap` with a dispatch other than pft/rbd is refused by `ParallelConfig` itself.
 
 Accepted, and why (each changes the run, or cannot be decided from the config alone):
-- every `choices.py` literal has a reader for each value: Dispatch (moe/dispatchers.DISPATCHERS; `auto`
-  is settled by `Config`: config/parallel.py),
-  Transport (moe/exchange.resolve_transport, moe/layouts), Overlap (moe/overlap), XlaScheduler
+- every `choices.py` literal has a reader for each value: Dispatch (moe/dispatchers.DISPATCHERS;
+  `auto` is settled by `Config`: config/parallel.py), Transport (moe/exchange.resolve_transport,
+  moe/layouts), Overlap (moe/overlap), XlaScheduler
   (launch/xla_flags; latency_hiding off GPU warns at start-up, train/loop.py: the backend is not
   known here and xmoe-plan plans a GPU run on the CPU), Activation, ScoreFunc, DropPolicy (dropless
   too: the queue order sets the row order, so the weight-gradient sums run in another order),
