@@ -26,12 +26,13 @@
 #   xmoe_epN too: the table's ratios are to it (per GPU), from the same call. Split the rows over
 #   calls of 10 minutes, e.g. PEERS_BUDGET=570 PEERS_ROWS="ep4" then
 #   PEERS_BUDGET=570 PEERS_ROWS="xmoe_ep4 titan_ep4_sel titan_ep4_none".
-# CPU dry run of the EP rows: PEERS_CPU_DEVICES=4 gives the one-process rows 4 fake CPU devices.
+# CPU dry run of the xmoe_jax rows (tiny shapes; the EP rows on fake CPU devices: scripts/gpu_env.sh):
+#   DRY_RUN=1 OUT=/tmp/dry PEERS_ROWS="xmoe_none xmoe_full xmoe_ep4" bash scripts/bench_peers.sh
 # Every run has its own timeout, clipped to what is left of PEERS_BUDGET seconds (default 500).
 # CPU dry run of the harness itself (tiny config, a Python 3.12 venv holding the peers):
 #   PEERS_PYTHON=/tmp/peersvenv/bin/python PEERS_MAXTEXT_ARGS=--cpu PEERS_TITAN_ARGS="--cpu --no-compile" \
 #   CONFIG=tiny.yaml MATMUL_SIZE=256 bash scripts/bench_peers.sh
-#   (+ PEERS_CPU_DEVICES=4 PEERS_ROWS="xmoe_ep4 maxtext_ep4 titan_ep4", PEERS_PYTHON of a venv whose
+#   (+ DRY_RUN=1 PEERS_ROWS="xmoe_ep4 maxtext_ep4 titan_ep4", PEERS_PYTHON of a venv whose
 #   python has both MaxText and torch, or PEERS_TITAN_PYTHON for another one that has torch)
 # Output under $OUT (5 files: the device tool brings back 8): peers.json (the table rows and every
 # run's JSON), table.md, env.txt, steps.txt, runs.tgz (each run's JSON and log); PEERS_KEEP=1 leaves
@@ -77,8 +78,9 @@ run() {  # name limit command...: one run, its own timeout clipped to the budget
 }
 xmoe() {  # name limit overrides...
   local name=$1 limit=$2; shift 2
+  # shellcheck disable=SC2086  # SHAPES is a list of --set overrides (DRY_RUN: tiny)
   run "$name" "$limit" python3 scripts/bench_train_step.py --config "$CONFIG" --steps "$STEPS" \
-    --out "$RUNS/$name.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} "$@"
+    --out "$RUNS/$name.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} "$@" ${SHAPES:-}
 }
 PY=${PEERS_PYTHON:-python3}
 # shellcheck disable=SC2086  # PEERS_*_ARGS are lists of arguments
@@ -94,28 +96,21 @@ titan() {  # name limit ac args...
     --ac "$ac" --steps "$STEPS" --out "$RUNS/$name.json" ${PEERS_TITAN_ARGS:-} "$@"
 }
 
-gpus() {  # n: CUDA_VISIBLE_DEVICES for the first n GPUs; on the CPU (PEERS_CPU_DEVICES) fake devices
-  if [ -n "${PEERS_CPU_DEVICES:-}" ]; then
-    echo "XLA_FLAGS=--xla_force_host_platform_device_count=$PEERS_CPU_DEVICES"
-  else
-    echo "CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1)))"
-  fi
-}
 BATCH=$(python3 -c "import sys; sys.path.insert(0, '$HERE/peers'); import peer_shape as s; print(s.load_shape('$CONFIG').batch_size)")
 xmoe_ep() {  # name limit n overrides...: mesh.expert=n, data 1, the config's batch per GPU
   local name=$1 limit=$2 n=$3; shift 3
+  # shellcheck disable=SC2046,SC2086  # ep_sets and SHAPES are lists of --set overrides
   run "$name" "$limit" env "$(gpus "$n")" python3 scripts/bench_train_step.py --config "$CONFIG" \
     --steps "$STEPS" --out "$RUNS/$name.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} \
-    --set mesh.expert="$n" --set mesh.data=1 --set train.batch_size=$((BATCH * n)) \
-    --set parallel.dispatch=pft --set model.moe.capacity_factor=null "$@"
+    $(BATCH_PER_GPU=$BATCH ep_sets "$n") --set model.moe.capacity_factor=null "$@" ${SHAPES:-}
 }
 # shellcheck disable=SC2086
 maxtext_ep() {  # name limit n policy: one process over n devices, ici_expert_parallelism=n
   local name=$1 limit=$2 n=$3 policy=$4 flags=${XLA_FLAGS:-}
   # its EP exchange is XLA's ragged all-to-all: on GPUs give it the lowering xmoe_jax's rows get by
   # default (xmoe_jax/launch/xla_flags.py: the decomposer, 30x XLA's own ragged kernel on 2 H200s)
-  if [ -n "${PEERS_CPU_DEVICES:-}" ]; then
-    flags="$flags --xla_force_host_platform_device_count=$PEERS_CPU_DEVICES"
+  if [ -n "${DRY_RUN:-}" ]; then
+    flags="$flags --xla_force_host_platform_device_count=$n"
   else
     flags="$flags --xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
   fi
@@ -131,11 +126,7 @@ titan_ep() {  # name limit n ac: torchrun, one process per GPU, expert_parallel_
     --steps "$STEPS" --out "$RUNS/$name.json" ${PEERS_TITAN_ARGS:-}
 }
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import jax; print("jax", jax.__version__)'
-  python3 -c 'import torch; print("torch", torch.__version__)'
-  git log -1 --format='commit %H %cs' 2>/dev/null && git status --short 2>/dev/null | head -20
-  date -u; } > "$RUNS/env.txt" 2>&1
+env_record "$RUNS/env.txt"
 for row in $ROWS; do
   case $row in
     xmoe_none) xmoe xmoe_none 150 ;;
@@ -165,5 +156,5 @@ for log in "$RUNS"/*.log; do
 done
 python3 "$HERE/peers/table.py" "$RUNS" --config "$CONFIG" --json "$OUT/peers.json" > "$OUT/table.md" 2>&1
 cp "$RUNS/env.txt" "$RUNS/steps.txt" "$OUT/"
-[ "${PEERS_KEEP:-0}" = 1 ] || { tar -czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"; }
+[ "${PEERS_KEEP:-0}" = 1 ] || pack runs "$RUNS"
 cat "$OUT/env.txt" "$OUT/steps.txt" "$OUT/table.md"

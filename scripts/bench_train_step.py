@@ -41,6 +41,19 @@ def _summary(record: dict) -> dict:
     return out
 
 
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """The user's --set overrides, then what this script decides: its --steps, the logging window, no
+    checkpoints. Every load of the config takes them, so the load-time checks read the steps that
+    run (train.profile_steps past the YAML's train.steps but inside --steps is fine)."""
+    window = args.log_every or max(args.steps // 3, 1)
+    return [
+        *args.overrides,
+        f"train.steps={args.steps}",
+        f"train.log_every={window}",
+        "checkpoint.enabled=false",
+    ]
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("xmoe_jax").setLevel(logging.INFO)  # buffer changes, compile time
@@ -64,7 +77,7 @@ def main() -> None:
     args = p.parse_args()
     # before JAX starts its backend: the config's scheduler (else XMOE_XLA_SCHEDULER) and the ragged
     # preset its transport needs (`exact`: XLA's one-shot kernel, no decomposer)
-    parallel = load_config(args.config, args.overrides).parallel
+    parallel = load_config(args.config, run_overrides(args)).parallel
     sched = parallel.xla_scheduler
     xla_flags.apply_defaults(scheduler=None if sched == "default" else sched, transport=parallel.transport)
     from xmoe_jax.launch import distributed, peers
@@ -95,17 +108,8 @@ def measure(args: argparse.Namespace) -> dict:
     from xmoe_jax.perf.timing import dense_matmul_tflops, environment
     from xmoe_jax.train.loop import train
 
-    window = args.log_every or max(args.steps // 3, 1)
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = args.run_dir or tmp
-        overrides = [
-            *args.overrides,
-            f"train.steps={args.steps}",
-            f"train.log_every={window}",
-            f"train.run_dir={run_dir}",
-            "checkpoint.enabled=false",
-        ]
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, [*run_overrides(args), f"train.run_dir={args.run_dir or tmp}"])
         result = train(cfg)
     last = result.records[-1]
     memory = jax.local_devices()[0].memory_stats() or {}
@@ -126,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict:
         "num_processes": jax.process_count(),
         "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
         "steps": args.steps,
-        "window_steps": window,
+        "window_steps": cfg.train.log_every,
         "tokens_per_s": last["tokens_per_s"],
         "tflops_per_device": last["tflops_per_device"],
         "mfu_vs_datasheet": last["mfu"],

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_bench_deepseek.sh h100    # one H100, under 6 minutes: MLA GPU tests, MLA vs MHA train steps
 #   bash scripts/gpu_bench_deepseek.sh x4      # 4x H200: the planner on the GPUs, DeepSeek-V2-Lite at full depth, pft and rbd
-#   SHAPES="--set model.hidden=64 ..." MATMUL_SIZE=256 bash scripts/gpu_bench_deepseek.sh h100   # other shapes (CPU check)
+#   DRY_RUN=1 OUT=/tmp/dry bash scripts/gpu_bench_deepseek.sh h100   # tiny shapes on the CPU (scripts/gpu_env.sh)
 #
 # The model: configs/deepseek_v2_lite.yaml cut to 4 layers (1 dense + 3 MoE: 64 routed experts of 1408
 # + 2 shared, top-6), one GPU, 8 x 2048 tokens per step, dropless pft, no rematerialisation, 30 steps.
@@ -22,7 +22,8 @@ V2LITE=configs/deepseek_v2_lite.yaml
 
 case "${1:-}" in
   h100)
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+    export "$(gpus 1)"
+    env_record "$OUT/gpu.txt"
     PARAMS='import sys; from xmoe_jax.cli import params_main; sys.exit(params_main(sys.argv[1:]))'
     python3 -c "$PARAMS" --config $V2LITE --set model.num_layers=4 > "$OUT/params_mla.txt" 2>&1
     python3 -c "$PARAMS" --config $V2LITE --set model.num_layers=4 --set model.attention_type=mha --set model.mla=null \
@@ -38,6 +39,7 @@ case "${1:-}" in
       --set model.head_dim=128
     summary ;;
   x4)
+    export "$(gpus 4)"
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
     # shellcheck disable=SC2086
     step plan_v2lite 300 python3 -m xmoe_jax.cli_plan --config $V2LITE --devices 4 --real-devices \

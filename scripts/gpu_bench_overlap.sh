@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_bench_overlap.sh ladder N   # weak scaling on 1, 2, 4, ... N GPUs (EP = GPUs), overlap off and on
 #   bash scripts/gpu_bench_overlap.sh ways N     # on N GPUs: each way side by side, profile traces, kernel-overlap reports
-#   SHAPES="--set model.hidden=64 ..." MATMUL_SIZE=256 bash scripts/gpu_bench_overlap.sh ways 2   # tiny shapes (CPU check)
+#   DRY_RUN=1 OUT=/tmp/dry bash scripts/gpu_bench_overlap.sh ways 2   # tiny shapes, fake devices (CPU check: gpu_env.sh)
 #
 # The model: configs/tiny_small_shape.yaml (the Small shapes x 4 layers, dropless pft), 32 x 2048 = 64k
 # tokens per GPU (the one-GPU run's: 197k tokens/s, MFU 41% on an H100; BATCH_PER_GPU changes it),
@@ -17,7 +17,8 @@
 # the chunks alone (default scheduler); on; and a twin with 2 shared experts (DeepSeek-style) without
 # and with the shared experts inside the block (+ scheduler). For each, scripts/kernel_overlap.py
 # writes $OUT/<name>.overlap.txt/json: per GPU, the NCCL kernel time and how much of it ran while a
-# GEMM kernel ran ("CONCURRENT" or "serial"). Traces stay under $OUT/<name>/profile (rm them if big).
+# GEMM kernel ran ("CONCURRENT" or "serial"), and scripts/step_breakdown.py $OUT/<name>.breakdown.md/json.
+# Traces stay under $OUT/<name>/profile (rm them if big).
 # A run on fewer GPUs than the machine has uses CUDA_VISIBLE_DEVICES=0..n-1. Each run takes about
 # 2 minutes (compile + 30 steps): under a 10-minute limit per command, split with SIZES="1 2" /
 # SIZES="4 8" (ladder) and WAYS="off lhs chunks" / WAYS="on shared_off shared_on" (ways), same $OUT.
@@ -32,15 +33,12 @@ ON="--set parallel.overlap=both --set parallel.overlap_chunks=2 --set parallel.x
 
 run() {  # name timeout gpus scheduler(default|latency_hiding) overrides...: one train step run on `gpus` GPUs
   local name=$1 limit=$2 n=$3 sched=$4; shift 4
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) XMOE_XLA_SCHEDULER=$sched \
-    train_step "$name" "$limit" 30 $CFG --set mesh.expert="$n" --set mesh.data=1 \
-    --set train.batch_size=$((PER_GPU * n)) --set parallel.dispatch=pft "$@"
+  BATCH_PER_GPU=$PER_GPU XMOE_XLA_SCHEDULER=$sched ep_step "$name" "$limit" "$n" 30 $CFG "$@"
 }
-traced() {  # name timeout gpus scheduler overrides...: run() keeping a trace of steps 12-14, then its report
+traced() {  # name timeout gpus scheduler overrides...: run() keeping a trace of steps 12-14, then its reports
   local name=$1; shift
   run "$name" "$@" --set "train.profile_steps=[12,14]" --run-dir "$OUT/$name"
-  python3 scripts/kernel_overlap.py "$OUT/$name/profile" --out "$OUT/$name.overlap.json" \
-    > "$OUT/$name.overlap.txt" 2>&1
+  KEEP_TRACE=1 read_trace "$OUT/$name/profile" "$OUT/$name"
   echo "== $name"; cat "$OUT/$name.overlap.txt"
 }
 way() {  # name gpus: one way of `ways`, traced

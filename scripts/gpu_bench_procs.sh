@@ -7,8 +7,8 @@
 #
 #   bash scripts/gpu_bench_procs.sh            # 4 GPUs: configs/tiny_small_shape.yaml, EP 4, 32 x 2048 per GPU
 #   N=2 STEPS=10 bash scripts/gpu_bench_procs.sh
-#   JAX_PLATFORMS=cpu CPU_DEVICES=1 CONFIG=configs/tiny.yaml MATMUL_SIZE=256 N=2 STEPS=10 \
-#     bash scripts/gpu_bench_procs.sh          # CPU check: N processes x CPU_DEVICES fake devices (gloo)
+#   DRY_RUN=1 OUT=/tmp/dry N=2 STEPS=10 bash scripts/gpu_bench_procs.sh   # CPU check (scripts/gpu_env.sh):
+#                                              # N processes x CPU_DEVICES (default 1) fake devices (gloo)
 #
 # The model: the Small shapes x 4 layers, dropless pft, mesh.expert = N (data 1), train.batch_size =
 # 32 x N, data.shuffle=false (every layout reads the same sequences), STEPS steps (default 20; the
@@ -23,8 +23,9 @@ CONFIG=${CONFIG:-configs/tiny_small_shape.yaml}
 PER_GPU=${BATCH_PER_GPU:-32}
 SETS=(--set mesh.expert="$N" --set mesh.data=1 --set train.batch_size=$((PER_GPU * N))
   --set parallel.dispatch=pft --set model.moe.capacity_factor=null --set data.shuffle=false)
+# shellcheck disable=SC2206  # SHAPES is a list of --set overrides
 BENCH=(python3 scripts/bench_train_step.py --config "$CONFIG" --steps "$STEPS"
-  ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} "${SETS[@]}")
+  ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} "${SETS[@]}" ${SHAPES:-})
 if [ "${JAX_PLATFORMS:-}" = cpu ]; then  # fake devices: N x CPU_DEVICES in all, the same for both runs
   per=${CPU_DEVICES:-1}
   SINGLE_ENV=(env XLA_FLAGS=--xla_force_host_platform_device_count=$((N * per)))
@@ -50,5 +51,5 @@ echo "== shutdown noise (coordination-service warnings, aborts) in the process l
 noise=$(grep -H -E "WatchTasksAsync|Connection refused|coordination service|Terminating process|jax.Client was leaked" \
   "$OUT"/procs/*.log | head -20)
 echo "${noise:-none}"
-tar -czf "$OUT/procs.tgz" -C "$OUT" procs && rm -rf "$OUT/procs"
+pack procs "$OUT/procs"
 cat "$OUT/steps.txt"

@@ -7,6 +7,7 @@
 #   bash scripts/gpu_bench_scale.sh x2b      # 2x H200: rbd layer (2 nodes x 1), overlap chunks, emulated transport
 #   bash scripts/gpu_bench_scale.sh x2c      # 2x H200: Small at depth (the deepest that fits), dropless pft and rbd
 #
+#   DRY_RUN=1 OUT=/tmp/dry bash scripts/gpu_bench_scale.sh x2c   # a part's CPU check (scripts/gpu_env.sh)
 # Every step has its own timeout and writes a log and JSON under $OUT; a short table comes last.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
@@ -15,7 +16,8 @@ SMALL=configs/small.yaml
 
 case "${1:-}" in
   h100a)
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+    export "$(gpus 1)"
+    env_record "$OUT/gpu.txt"
     step gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_scale.py
     # the refactor check: the same model as benchmarks/train_step.md (XLA attention), pft dropless
     train_step train_pft_xla 140 30 $TINY --set parallel.dispatch=pft --set model.moe.capacity_factor=null \
@@ -26,6 +28,7 @@ case "${1:-}" in
       --set train.batch_size=16
     summary ;;
   h100b)
+    export "$(gpus 1)"
     # where the train step's time went after the layer stacks and the chunked loss (a regression hunt)
     P="--set parallel.dispatch=pft --set model.moe.capacity_factor=null"
     train_step train_pft_unrolled 120 30 $TINY $P --set model.unroll_layers=true
@@ -39,8 +42,9 @@ case "${1:-}" in
       --set mesh.expert=1 --set train.batch_size=8 --out "$OUT/plan_small28_gpu.json"
     summary ;;
   x2a)
+    export "$(gpus 2)"
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-    L="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0,1.0 --iters 10"
+    L="scripts/bench_moe_layer.py --tokens-per-device $TOKENS --skews 0,1.0 --iters $ITERS"
     step layer_bucketed 240 python3 $L --modes pft,padded:1.25 --transport bucketed --recv-buffer-factor auto \
       --stages pft --out "$OUT/layer_bucketed.json"
     for preset in default sendrecv; do  # why did the NCCL send/recv path hang? (XMOE_RAGGED_A2A presets)
@@ -52,7 +56,8 @@ case "${1:-}" in
     tail -12 "$OUT/layer_bucketed.log"; tail -5 "$OUT/layer_ragged.log"
     cat "$OUT/steps.txt" ;;
   x2b)
-    L="scripts/bench_moe_layer.py --tokens-per-device 16384 --skews 0,1.0 --iters 10"
+    export "$(gpus 2)"
+    L="scripts/bench_moe_layer.py --tokens-per-device $TOKENS --skews 0,1.0 --iters $ITERS"
     if [ -n "${PICK:-}" ]; then  # the depth x2c picked: rbd training at that depth first
       set -- $PICK
       S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
@@ -67,11 +72,13 @@ case "${1:-}" in
     summary
     cat "$OUT/steps.txt" ;;
   x2d)  # x2c's pft run again (after the micro-batch peak fix): the adaptive ladder settles lower
+    export "$(gpus 2)"
     S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
     train_step small28_pft_v2 260 105 $SMALL $S --set model.num_layers=28 --set model.remat=full \
       --set parallel.dispatch=pft
     summary ;;
   x2c)
+    export "$(gpus 2)"
     # the deepest Small-width model that fits 2 GPUs: ask the planner on the real GPUs, deepest first
     S="--set train.batch_size=16 --set train.micro_batch_size=8 --set mesh.expert=2 --set model.moe.capacity_factor=null"
     pick=""
@@ -88,5 +95,5 @@ case "${1:-}" in
     train_step "small$1_pft" 250 105 $SMALL $S $D --set parallel.dispatch=pft
     train_step small4_pft 60 6 $SMALL $S --set model.num_layers=4 --set model.remat=$2 --set parallel.dispatch=pft
     summary ;;
-  *) echo "usage: $0 h100a|h100b|x2a|x2b"; exit 2 ;;
+  *) echo "usage: $0 h100a|h100b|x2a|x2b|x2c|x2d"; exit 2 ;;
 esac

@@ -20,8 +20,7 @@ SHAPES="--set model.num_layers=4 --set mesh.expert=1 --set mesh.data=1 --set tra
 probe() {  # name overrides...: one run, its breakdown beside its JSON
   local name=$1; shift
   train_step "$name" 240 12 configs/small.yaml --run-dir "$OUT/runs/$name" --set "train.profile_steps=[9,10]" "$@"
-  [ -d "$OUT/runs/$name/profile" ] && python3 scripts/step_breakdown.py "$OUT/runs/$name/profile" --steps 2 \
-    --out "$OUT/$name.breakdown.json" > "$OUT/$name.breakdown.md" 2>&1
+  read_trace "$OUT/runs/$name/profile" "$OUT/$name"
   rm -rf "$OUT/runs/$name"
 }
 probe scan

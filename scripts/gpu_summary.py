@@ -3,6 +3,7 @@
 
     python3 scripts/gpu_summary.py "$OUT"
     python3 scripts/gpu_summary.py "$OUT" --ladder   # weak scaling: ladder_<mode>_<n>gpu.json files
+    python3 scripts/gpu_summary.py "$OUT" --history  # per run, its metrics.jsonl (<run>/metrics.jsonl)
 """
 
 import glob
@@ -65,6 +66,27 @@ def ladder(folder: str) -> None:
         )
 
 
+def history(folder: str) -> None:
+    """Each run directory's logged steps (metrics.jsonl, every log window): loss, throughput, and the
+    exchange's buffer factor, fullest buffer, wire over routed bytes, bound ratio and expert imbalance."""
+    for path in sorted(glob.glob(os.path.join(folder, "*", "metrics.jsonl"))):
+        print(f"## {path}\n")
+        print("| step | loss | tokens/s | MFU | factor | peak | wire/routed | bound R | imbalance |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        with open(path) as f:
+            records = [json.loads(text) for text in f]
+        for r in records:
+            if "loss" not in r or "wire_bytes" not in r:
+                continue
+            wire = sum(r["wire_bytes"]) / max(sum(r["routed_bytes"]), 1)
+            bound = sum(r["exchange_bound_ratio"]) / len(r["exchange_bound_ratio"])
+            print(
+                f"| {r['step']} | {r['loss']:.4f} | {r.get('tokens_per_s') or 0:,.0f} | "
+                f"{100 * (r.get('mfu') or 0):.1f}% | {r['buffer_factor']} | {r['peak_ratio']} | {wire:.2f} | "
+                f"{bound:.2f} | {max(r['expert_imbalance']):.2f} |"
+            )
+
+
 def main(folder: str) -> None:
     for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
         with open(path) as f:
@@ -76,5 +98,7 @@ def main(folder: str) -> None:
 if __name__ == "__main__":
     if "--ladder" in sys.argv[2:]:
         ladder(sys.argv[1])
+    elif "--history" in sys.argv[2:]:
+        history(sys.argv[1])
     else:
         main(sys.argv[1])

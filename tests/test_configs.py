@@ -168,7 +168,8 @@ def test_placement_keys_moved_to_parallel_name_the_new_key(old: str, new: str) -
 
 def test_choice_fields_are_checked_by_their_literal_type(tmp_path: pathlib.Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"parallel\.dispatch='nope' is not one of \['dense', 'padded', 'pft', 'rbd'\]"
+        ConfigError,
+        match=r"parallel\.dispatch='nope' is not one of \['auto', 'dense', 'padded', 'pft', 'rbd'\]",
     ):
         load_config(TINY, ["parallel.dispatch=nope"])
     with pytest.raises(ConfigError, match=r"moe\.activation='relu' is not one of"):
@@ -255,3 +256,27 @@ def test_the_cli_refuses_the_removed_offload_policy_with_its_reason(tmp_path, ca
         assert len(err) == 1 and "model.remat=offload_experts was removed" in err[0], err
         assert "use model.remat=save_exchange" in err[0] and "not one of" not in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_default_dispatch_is_the_product_path() -> None:
+    """Issue 37 section 1: `auto`, the default, is pft wherever the model has routed experts (the
+    built-in config behind xmoe-train, the tiny configs); `dense` stays the oracle, by name."""
+    from xmoe_jax.config import Config, ParallelConfig
+    from xmoe_jax.moe.layer import DEFAULT_PARALLEL
+
+    assert ParallelConfig().dispatch == "auto" and Config().parallel.dispatch == "pft"
+    assert load_config(None).parallel.dispatch == "pft"  # xmoe-train with no --config
+    for path in CONFIG_FILES:
+        if path.stem.startswith("tiny"):
+            assert load_config(path).parallel.dispatch == "pft", path.name
+    assert load_config(TINY, ["parallel.dispatch=dense"]).parallel.dispatch == "dense"
+    assert DEFAULT_PARALLEL.dispatch == "dense"  # moe_layer called bare: the oracle
+
+
+def test_remat_modes_are_none_and_the_policies() -> None:
+    import typing
+
+    from xmoe_jax import remat
+    from xmoe_jax.config.choices import RematMode
+
+    assert typing.get_args(RematMode) == ("none", *remat.POLICIES) == remat.REMAT_MODES

@@ -24,6 +24,7 @@ from xmoe_jax.config import (
     RopeScalingConfig,
     TrainConfig,
     load_config,
+    to_dict,
 )
 from xmoe_jax.data import load_tokenizer
 from xmoe_jax.hf import ADAPTERS, ConversionError
@@ -268,6 +269,14 @@ def test_dense_first_layers_map_to_num_dense_layers(tmp_path) -> None:
     cfg = import_config(_hf("qwen2_moe", mlp_only_layers=[0], qkv_bias=False), tmp_path)
     assert cfg.model.num_dense_layers == 1 and cfg.model.dense_hidden == 24 and not cfg.model.qkv_bias
     assert cfg.train.run_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_import_writes_the_product_dispatch(arch: str, tmp_path) -> None:
+    """Issue 37 section 1: an imported config.yaml said `dispatch: dense` (every expert on every
+    token); it now says pft, the padding-free dropless path."""
+    cfg = import_config(_hf(arch), tmp_path)
+    assert cfg.parallel.dispatch == "pft" and to_dict(cfg)["parallel"]["dispatch"] == "pft"
 
 
 def test_export_of_an_unrepresentable_model_names_each_reason() -> None:

@@ -73,3 +73,25 @@ def test_the_circle_finder_finds_a_circle():
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": set()}
     assert _cycle(graph, "p") == ["p.a", "p.b", "p.c", "p.a"]
     assert _cycle({"p.a": {"p.b"}, "p.b": set()}, "p") is None
+
+
+def test_config_has_no_import_circle():
+    """config/applies.py reads `Config` from run.py, and run.py imports nothing of applies.py (issue 37)."""
+    graph = _graph()
+    assert "xmoe_jax.config.run" in graph["xmoe_jax.config.applies"]
+    assert _cycle(graph, "xmoe_jax.config") is None
+
+
+def test_the_kernels_cite_only_files_that_exist():
+    """Issue 37: kernels/backends.py named a gmm/fp8_api.py the repository does not hold. Every `x/y.py`
+    path in xmoe_jax/kernels/ resolves from the kernels folder, the package or the repository root."""
+    import re
+
+    kernels = PACKAGE / "kernels"
+    roots = (kernels, PACKAGE, PACKAGE.parent)
+    missing = []
+    for path in kernels.rglob("*.py"):
+        for cited in re.findall(r"\b[\w/]+/\w+\.py\b", path.read_text()):
+            if not any((root / cited).is_file() for root in roots):
+                missing.append(f"{path.relative_to(PACKAGE.parent)}: {cited}")
+    assert not missing

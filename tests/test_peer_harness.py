@@ -157,3 +157,41 @@ def test_wheel_check_names_a_requirement_the_gpu_machine_lacks(tmp_path):
     wheel(tmp_path / "peers", "tyro")
     assert wheel_check.missing([tmp_path / "whl", tmp_path / "peers"], pyproject) == {}
     assert wheel_check.main([str(tmp_path / "peers"), "--pyproject", str(pyproject)]) == 1  # no tensorboardX
+
+
+def _top_level_imports(package: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_stub_is_named_as_a_package_xmoe_jax_imports():
+    """Issue 37: scripts/peers/stubs/datasets made `import datasets` (xmoe_jax's HuggingFace sources)
+    resolve to the stub in a map of the repository's imports; it is hf_datasets now."""
+    stubs = {p.name for p in (ROOT / "scripts" / "peers" / "stubs").iterdir() if p.is_dir()}
+    assert "hf_datasets" in stubs and "datasets" in _top_level_imports(ROOT / "xmoe_jax")
+    assert not stubs & _top_level_imports(ROOT / "xmoe_jax")
+
+
+def test_the_datasets_stub_stands_in_only_where_datasets_is_missing(monkeypatch):
+    import wheel_check
+
+    assert "datasets" in wheel_check.stubbed()
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "peers" / "stubs"))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    monkeypatch.delitem(sys.modules, "datasets.distributed", raising=False)
+    import titan_run
+
+    titan_run.stub_datasets()
+    from datasets.distributed import split_dataset_by_node
+
+    assert sys.modules["datasets"].__name__ == "hf_datasets"
+    with pytest.raises(RuntimeError, match="stubbed"):
+        split_dataset_by_node()

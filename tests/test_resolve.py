@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
 
+from xmoe_jax import resolve
 from xmoe_jax.config import ParallelConfig, load_config
 from xmoe_jax.launch import xla_flags
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
@@ -96,15 +98,35 @@ def test_one_device_is_a_named_placement():
 
 def test_one_device_takes_a_run_whose_switches_need_its_mesh():
     """A pft run with ragged transport, tensor switches and FP8 dispatch: none of those can apply on
-    one device with dense dispatch (config/applies.py refuses them), so ONE_DEVICE resets them all."""
+    one device (config/applies.py refuses them), so ONE_DEVICE resets them all: the default placement,
+    its `auto` dispatch settled to pft."""
     run = ["mesh.expert=4", "mesh.tensor=2", "parallel.dispatch=pft", "parallel.transport=ragged",
            "parallel.ssmb=true", "parallel.recv_buffer_factor=1.5", "model.fp8={dispatch: true}"]  # fmt: skip
     assert _cfg(*run).parallel.ssmb
     cfg = _cfg(*run, *one_device_overrides())
-    assert cfg.parallel == ParallelConfig() and cfg.model.fp8 is None and cfg.mesh.tensor == 1
+    assert cfg.parallel == ParallelConfig(dispatch="pft") and cfg.model.fp8 is None and cfg.mesh.tensor == 1
 
 
 @pytest.mark.parametrize("dispatch", sorted(DISPATCHERS))
 def test_the_dispatcher_table_says_which_modes_exchange_tokens(dispatch):
     assert exchanges_tokens(dispatch) == (dispatch in ("pft", "rbd"))
     assert exchanges_tokens(ParallelConfig(dispatch=dispatch).dispatch) == DISPATCHERS[dispatch].shard_map
+
+
+def test_the_dense_oracle_beyond_a_toy_size_warns_once_with_its_memory(caplog, monkeypatch):
+    """Issue 37 section 1: `dispatch: dense` runs every expert on every token; a run that asks for
+    it with more than a toy number of experts or tokens is told, once, what that costs."""
+    monkeypatch.setattr(resolve, "_warned", set())
+    toy = _cfg("parallel.dispatch=dense")
+    many_experts = _cfg("parallel.dispatch=dense", "model.moe.num_experts=64")
+    many_tokens = _cfg("parallel.dispatch=dense", "train.batch_size=256", "model.max_seq_len=128",
+                       "train.seq_len=128")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="xmoe_jax"):
+        resolve_placement(toy, 1)
+        resolve_placement(_cfg("model.moe.num_experts=64"), 1)  # pft: no warning
+        for _ in range(2):
+            resolve_placement(many_experts, 1)
+    warned = [r.getMessage() for r in caplog.records if "oracle" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "all 64 experts" in warned[0] and "MiB" in warned[0] and "parallel.dispatch=auto" in warned[0]
+    assert "32768 tokens" in resolve.warn_dense_oracle(many_tokens, 1)

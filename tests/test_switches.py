@@ -3,26 +3,28 @@ item 4): each message names the field and the fix. Config-only: no JAX step is c
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
 
-from xmoe_jax.config import ConfigError, load_config
+from xmoe_jax.config import Config, ConfigError, load_config, loading, override_dict, yaml_io
+from xmoe_jax.config.applies import REFUSALS, Refusal, check_switches, table
 from xmoe_jax.config.choices import EXCHANGE_DISPATCH
 from xmoe_jax.moe.dispatchers import DISPATCHERS, exchanges_tokens
 
-TINY = (
-    pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
-)  # dense dispatch, 1 expert device
+TINY = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"  # pft on 1 expert device
 EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
+ORACLE = "parallel.dispatch=dense"
+DENSE_MODEL = ["model.moe=null", "model.num_dense_layers=3"]  # no routed experts
 
 
 @pytest.mark.parametrize(
     "overrides, field, fix",
     [
         # the issue's case: experts-only / dispatch-only FP8 under dense dispatch ran nothing in FP8
-        (["model.fp8={projections: false}"], "model.fp8.experts=true", "parallel.dispatch=pft"),
-        (["model.fp8={recipe: rowwise}"], "model.fp8.experts=true", "model.fp8.experts=false"),
+        ([ORACLE, "model.fp8={projections: false}"], "model.fp8.experts=true", "parallel.dispatch=pft"),
+        ([ORACLE, "model.fp8={recipe: rowwise}"], "model.fp8.experts=true", "model.fp8.experts=false"),
         (["model.fp8={projections: false, experts: false, dispatch: true}"], "model.fp8.dispatch=true",
          "model.fp8.dispatch=false"),
         (["parallel.dispatch=pft", "model.fp8={experts: false, dispatch: true}"], "model.fp8.dispatch=true",
@@ -38,7 +40,7 @@ EXCHANGE = ["parallel.dispatch=pft", "mesh.expert=4"]
         ([*EXCHANGE, "model.moe.capacity_factor=1.25", "parallel.adaptive_buffers=false"],
          "parallel.adaptive_buffers=false", "capacity_factor"),
         (["parallel.buffer_shrink_after=50"], "parallel.buffer_shrink_after=50", "remove it"),
-        (["parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
+        ([ORACLE, "parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
         (["parallel.dispatch=pft", "parallel.auto_shard=true", "parallel.overlap_chunks=2"],
          "parallel.overlap_chunks=2", "auto_shard=false"),
         (["parallel.ssmb=true"], "parallel.ssmb=true", "mesh.tensor > 1"),
@@ -97,3 +99,81 @@ def test_the_exchange_modes_are_the_dispatcher_tables():
 def test_every_shipped_config_passes():
     for path in sorted(TINY.parent.glob("*.yaml")):
         load_config(path)
+
+
+def _unchecked(overrides) -> Config:
+    """configs/tiny.yaml with `overrides`, built without the load-time refusals."""
+    return loading._build(Config, override_dict(yaml_io.load_file(TINY), list(overrides)))
+
+
+@pytest.mark.parametrize("row", REFUSALS, ids=lambda row: row.switches[0])
+def test_every_row_of_the_table_is_refused_by_its_own_check_where_it_runs(row: Refusal, tmp_path):
+    """applies.py's table is data: each row's check refuses the row's example, naming one of its
+    switches, and runs where the row says (issue 37 section 4: a row without a check fails here)."""
+    unchecked = _unchecked(row.example)
+    with pytest.raises(ConfigError) as own:
+        row.check(unchecked, 1) if row.when == "devices" else row.check(unchecked)
+    assert any(f"{key}=" in str(own.value) for key in row.switches), own.value
+    with pytest.raises(ConfigError) as where:
+        if row.when == "load":
+            load_config(TINY, list(row.example))
+        cfg = load_config(TINY, [*row.example, f"train.run_dir={tmp_path / 'run'}"])
+        if row.when == "devices":
+            cfg.validate_for_devices(1)
+        from xmoe_jax.train.loop import train  # the trainer refuses before it opens data or compiles
+
+        train(cfg)
+    assert str(where.value) == str(own.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_table_renders_every_row_and_load_runs_every_load_check(monkeypatch):
+    assert all(", ".join(row.switches) in table() for row in REFUSALS)
+    ran = []
+    rows = tuple(dataclasses.replace(row, check=lambda cfg, r=row: ran.append(r)) for row in REFUSALS)
+    monkeypatch.setattr("xmoe_jax.config.applies.REFUSALS", rows)
+    check_switches(_unchecked(()))
+    assert ran == [row for row in REFUSALS if row.when == "load"]
+
+
+@pytest.mark.parametrize(
+    "overrides, field, fix",
+    [
+        (["parallel.dispatch=pft"], "parallel.dispatch='pft'", "remove it"),
+        (["parallel.dispatch=rbd"], "parallel.dispatch='rbd'", "remove it"),
+        (["parallel.overlap_chunks=2"], "parallel.overlap_chunks=2", "parallel.overlap_chunks=1"),
+        (["parallel.overlap=chunks", "parallel.overlap_chunks=2"], "parallel.overlap='chunks'", "parallel.overlap=none"),
+    ],
+)  # fmt: skip
+def test_a_model_without_routed_experts_refuses_moe_placement(overrides, field, fix):
+    """Issue 37 section 3.7: these switches place an MoE block a dense model does not have."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [*DENSE_MODEL, *overrides])
+    msg = str(e.value)
+    assert field in msg and "model.moe is null" in msg and fix in msg and "\n" not in msg, msg
+
+
+def test_a_model_without_routed_experts_keeps_the_default_dispatch():
+    """`auto` (the default) and `dense` (what runs before `auto` wrote) load for a dense model."""
+    assert load_config(TINY, DENSE_MODEL).parallel.dispatch == "auto"
+    assert load_config(TINY, [*DENSE_MODEL, ORACLE]).parallel.dispatch == "dense"
+    assert Config(model=load_config(TINY, DENSE_MODEL).model).parallel.dispatch == "auto"
+
+
+def test_a_tokenizer_with_synthetic_data_is_refused_by_the_trainer_only(tmp_path):
+    """Issue 37 section 3.7: `data.tokenizer` with synthetic data tokenizes nothing. A run's
+    config.yaml may hold one for the tools (an imported model's), so loading it stays accepted; the
+    trainer refuses it before it opens its data."""
+    from xmoe_jax.train.loop import train
+
+    run = f"train.run_dir={tmp_path / 'run'}"
+    cfg = load_config(TINY, ["data.tokenizer=tokenizer.json", run])  # generate/eval load it
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert "data.tokenizer='tokenizer.json'" in msg and "data.path" in msg and "data.tokenizer=auto" in msg, (
+        msg
+    )
+    for fine in (["data.tokenizer=bytes"], ["data.source=text", "data.path=x.txt", "data.tokenizer=t.json"]):
+        applies_check = REFUSALS[-1].check
+        applies_check(load_config(TINY, fine))  # bytes is what a synthetic run records; text is tokenized

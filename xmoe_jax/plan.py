@@ -161,7 +161,8 @@ def advise(cfg: Config, plan: Plan) -> list[str]:
         out.append(f"train.micro_batch_size={micro // 2}: half the activations per micro-batch")
     if plan.mesh.tensor > 1 and not cfg.parallel.ssmb:
         out.append("parallel.ssmb=true: the MoE block's buffers fall by the tensor factor")
-    if exchanges_tokens(cfg.parallel.dispatch) and cfg.parallel.recv_buffer_factor is None:
+    moe_exchange = cfg.model.moe is not None and exchanges_tokens(cfg.parallel.dispatch)
+    if moe_exchange and cfg.parallel.recv_buffer_factor is None:
         out.append(
             "parallel.recv_buffer_factor=1.2 (with parallel.adaptive_buffers=true): buffers near the average"
         )

@@ -48,6 +48,18 @@ from peer_shape import PeerShape, load_shape  # noqa: E402
 FLAVOUR = "xmoe_peer"
 
 
+def stub_datasets() -> None:
+    """Hugging Face `datasets`, which torchtitan's text loader imports, as scripts/peers/stubs/hf_datasets
+    where the machine lacks it (the stubs folder on PYTHONPATH: scripts/bench_peers.sh)."""
+    try:
+        import datasets  # noqa: F401  # the real one
+    except ImportError:
+        import hf_datasets
+        import hf_datasets.distributed
+
+        sys.modules["datasets"], sys.modules["datasets.distributed"] = hf_datasets, hf_datasets.distributed
+
+
 def register(shape: PeerShape, batch_size: int, seq_len: int, grouped_mm: bool) -> None:
     """The flavour and a synthetic-data copy of the qwen3 train spec (looked up before the built-in)."""
     import torch
@@ -182,6 +194,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
 
     import torch
+
+    stub_datasets()
     import torchtitan
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger

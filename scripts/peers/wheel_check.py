@@ -36,8 +36,15 @@ def image_packages(path: Path = HERE / "gpu_image_packages.txt") -> set[str]:
     return {norm(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
 
 
+# a stub folder named apart from the package it stands in for (so the real package's imports never
+# resolve to it): folder -> the package
+STANDS_IN_FOR = {"hf_datasets": "datasets"}
+
+
 def stubbed(stubs: Path = HERE / "stubs") -> set[str]:
-    return {norm(p.name) for p in stubs.iterdir() if p.is_dir()} if stubs.is_dir() else set()
+    if not stubs.is_dir():
+        return set()
+    return {norm(STANDS_IN_FOR.get(p.name, p.name)) for p in stubs.iterdir() if p.is_dir()}
 
 
 def wheel_metadata(wheel: Path) -> tuple[str, list[str]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-Dispatch = Literal["dense", "padded", "pft", "rbd"]
+Dispatch = Literal["auto", "dense", "padded", "pft", "rbd"]
 Transport = Literal["auto", "bucketed", "exact", "ragged", "emulated", "push"]
 Overlap = Literal["none", "shared", "chunks", "both"]
 XlaScheduler = Literal["default", "latency_hiding"]
@@ -55,7 +55,7 @@ def removed(tp: object, value: object, field: str) -> str | None:
     return reason.format(field=field) if reason else None
 
 
-DISPATCH_MODES = typing.get_args(Dispatch)
+DISPATCH_MODES = typing.get_args(Dispatch)  # `auto` included: a Config settles it (config/parallel.py)
 TRANSPORTS = typing.get_args(Transport)
 # the dispatch modes whose routed rows cross devices (moe/dispatchers.py's `exchanges_tokens`; config
 # imports no JAX, so the names are here and tests/test_resolve.py checks them against the table)

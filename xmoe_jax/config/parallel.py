@@ -3,6 +3,7 @@ overlap). A checkpoint resumes under any of these settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -16,12 +17,15 @@ class ParallelConfig:
     """How the model is placed on the mesh: nothing here changes the parameters, so a checkpoint
     resumes under any of these settings (train with rbd, resume with pft).
 
-    dispatch: how routed tokens reach their experts (moe/dispatchers.py): `dense` (the oracle),
-      `padded` (capacity baseline), `pft` (padding-free), `rbd` (two-stage, across nodes).
+    dispatch: how routed tokens reach their experts (moe/dispatchers.py): `auto` (the default: `pft`
+      wherever the model has routed experts, settled by `settle`), `pft` (padding-free, dropless:
+      the product path), `rbd` (two-stage, across nodes), `padded` (capacity baseline), `dense`
+      (the numerical oracle: every expert on every token, for tests).
     transport: the pft/rbd exchange (moe/transports.py, one record each): `bucketed` (dense
       all-to-all of per-peer chunks sized by the buffer factor), `exact` (ragged_all_to_all split
       into many updates per peer; one process on GPU), `ragged` (ragged_all_to_all; not on CPU),
-      `emulated` (its exact emulation, the CPU default); `auto` = bucketed on GPU.
+      `emulated` (its exact emulation, the CPU default), `push` (our Mosaic-GPU kernel writing rows
+      into the peers' receive buffers; Hopper, one process per host); `auto` = bucketed on GPU.
     recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
       the worst case). With adaptive_buffers this is where the trainer starts (None: 1.25).
     adaptive_buffers: dropless pft/rbd training sizes the buffers itself (moe/ladder.py,
@@ -63,7 +67,7 @@ class ParallelConfig:
       instead of the process's XLA flags. A value written in a config is replaced there.
     """
 
-    dispatch: Dispatch = "dense"
+    dispatch: Dispatch = "auto"
     transport: Transport = "auto"
     recv_buffer_factor: float | None = None
     adaptive_buffers: bool = True
@@ -81,6 +85,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         p = "parallel."
         _check_choices(self, p)
+        dispatch = settled_dispatch(self.dispatch, has_experts=True)  # as an MoE model runs it
         if self.recv_buffer_factor is not None:
             _check(
                 self.recv_buffer_factor > 0,
@@ -92,7 +97,7 @@ class ParallelConfig:
         _check(self.overlap_chunks >= 1, f"{p}overlap_chunks={self.overlap_chunks} must be >= 1")
         if self.overlap != "none":
             _check(
-                self.dispatch in ("pft", "rbd") and not self.auto_shard,
+                dispatch in ("pft", "rbd") and not self.auto_shard,
                 f"{p}overlap={self.overlap!r} orders pft/rbd's exchange inside the block's shard_map "
                 f"(dispatch={self.dispatch!r}{', auto_shard' if self.auto_shard else ''}); set "
                 f"{p}dispatch=pft or rbd (auto_shard=false), or {p}overlap=none",
@@ -108,11 +113,24 @@ class ParallelConfig:
             "tensor axis, expert-TP splits each expert's hidden over it); set one of them to false",
         )
         _check(
-            not self.auto_shard or self.dispatch == "pft",
+            not self.auto_shard or dispatch == "pft",
             f"{p}auto_shard applies to dispatch='pft' ({self.dispatch!r} is always placed by XLA's "
             f"partitioner); set {p}auto_shard=false",
         )
         _check_numbers(self, p)
+
+    def settle(self, has_experts: bool) -> ParallelConfig:
+        """This placement with its dispatch settled (`settled_dispatch`). `Config` settles its own
+        (config/run.py); `moe.layer.moe_layer` and `model.functional.model_spec` one passed to them
+        bare. Nothing downstream sees `auto`."""
+        dispatch = settled_dispatch(self.dispatch, has_experts)
+        return self if dispatch == self.dispatch else dataclasses.replace(self, dispatch=dispatch)
+
+
+def settled_dispatch(dispatch: Dispatch, has_experts: bool) -> Dispatch:
+    """`auto` made concrete: `pft` (padding-free, dropless: the product path) wherever the model has
+    routed experts. A model without them reads no dispatch, so `auto` stays as written there."""
+    return "pft" if dispatch == "auto" and has_experts else dispatch
 
 
 class MeshShape(NamedTuple):

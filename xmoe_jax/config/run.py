@@ -1,11 +1,11 @@
 """A training run: optimizer, checkpoints, the loop's settings, and `Config`, the whole of it, with
-the checks that need more than one section."""
+the checks that need more than one section. `Config` settles `parallel.dispatch: auto` for its model
+(config/parallel.py), so nothing downstream sees `auto`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xmoe_jax.config.applies import check_mesh_switches
 from xmoe_jax.config.checks import _check, _check_choices, _check_numbers
 from xmoe_jax.config.choices import AccumDType, NanPolicy, StateDType
 from xmoe_jax.config.data import DataConfig, EvalConfig
@@ -102,7 +102,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a training run needs."""
+    """Everything a training run needs. Built, its `parallel.dispatch` is settled for its model:
+    `auto` is `pft` wherever there are routed experts (`ParallelConfig.settle`)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -143,6 +144,7 @@ class Config:
                     f"moe.expert_hidden={moe.expert_hidden} is not divisible by mesh.tensor={self.mesh.tensor}; "
                     "parallel.expert_tensor_parallel splits it over the tensor axis",
                 )
+        object.__setattr__(self, "parallel", self.parallel.settle(has_experts=moe is not None))
 
     def validate_for_devices(self, num_devices: int, num_processes: int = 1) -> MeshShape:
         """Checks that need the runtime: mesh size and batch divisibility."""
@@ -178,6 +180,16 @@ class Config:
         )
         check_mesh_switches(self, shape.data)
         return shape
+
+
+def check_mesh_switches(cfg: Config, data_devices: int) -> None:
+    """The switches that need the resolved mesh (config/applies.py's table, row `mesh.fsdp`): FSDP
+    over a data axis of one device shards nothing."""
+    _check(
+        not cfg.mesh.fsdp or data_devices > 1,
+        f"mesh.fsdp=true shards parameters over the data axis, but it resolves to {data_devices} device "
+        "here; set mesh.fsdp=false (or a data axis > 1)",
+    )
 
 
 def check_groups_by_node(moe: MoEConfig, expert_nodes: int) -> None:

@@ -5,8 +5,8 @@ Backends (`implementation=`), one object each in IMPLEMENTATIONS:
   "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
   "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
   "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
-FP8 (op "gmm_fp8", gmm/fp8_api.py): xla (the dequantizing float32 oracle) and pallas
-(gmm/pallas_fp8.py) run it; triton and mgpu say why they cannot and hand it on.
+FP8 (op "gmm_fp8", called by xmoe_jax/fp8/gmm.py): xla (gmm/xla.py, the dequantizing float32
+oracle) and pallas (gmm/pallas_fp8.py) run it; triton and mgpu say why they cannot and hand it on.
   "shapes"  shape-only stand-ins for compile-time memory planning (kernels/shapes.py), never numbers.
 
 A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,

@@ -59,7 +59,7 @@ def _shape(var: nnx.Variable) -> jax.ShapeDtypeStruct:
 
 
 def model_spec(cfg: ModelConfig, parallel: ParallelConfig | None = None) -> ModelSpec:
-    parallel = parallel or ParallelConfig()
+    parallel = (parallel or ParallelConfig()).settle(has_experts=cfg.moe is not None)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), parallel))
     graphdef, params, bias = nnx.split(abstract, nnx.Param, RouterBias)
     return ModelSpec(

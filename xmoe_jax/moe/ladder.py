@@ -60,9 +60,9 @@ def applies(cfg: Config, num_exchange_devices: int) -> bool:
     """Whether the ladder sizes this run's buffers: dropless pft/rbd over more than one device."""
     moe = cfg.model.moe
     return (
-        cfg.parallel.adaptive_buffers
+        moe is not None  # without experts, dispatch is not read (it may be `auto`)
+        and cfg.parallel.adaptive_buffers
         and exchanges_tokens(cfg.parallel.dispatch)
-        and moe is not None
         and moe.capacity_factor is None
         and num_exchange_devices > 1
     )

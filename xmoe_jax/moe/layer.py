@@ -3,7 +3,7 @@
 Shapes: T tokens, D model, E experts, K top-k.
 
     y_TD, stats = moe_layer(params, x_TD, cfg)                       # one device, dense oracle
-    y_TD, stats = moe_layer(params, x_TD, cfg, ParallelConfig(dispatch="pft"))  # on the ambient mesh
+    y_TD, stats = moe_layer(params, x_TD, cfg, ParallelConfig())     # pft (auto) on the ambient mesh
 
 `cfg` (MoEConfig) says what the layer computes; `parallel` (ParallelConfig) how it is
 placed: the dispatch mode and its exchange (dispatchers.py) and where each piece runs
@@ -29,7 +29,7 @@ from xmoe_jax.moe.body import make_body
 from xmoe_jax.moe.experts import shared_experts
 from xmoe_jax.moe.stats import MoEStats
 
-DEFAULT_PARALLEL = ParallelConfig()
+DEFAULT_PARALLEL = ParallelConfig(dispatch="dense")  # the oracle, by name: tests call the layer bare
 
 
 def moe_layer(
@@ -47,7 +47,7 @@ def moe_layer(
       params: the tree of moe/params.py ({"router", "experts", optional "shared"}).
       x_TD: tokens; compute runs in x's dtype, routing in float32.
       cfg: the MoE config (experts, router, capacity, losses).
-      parallel: dispatch mode and placement; the default is the dense oracle.
+      parallel: dispatch mode and placement; the default is the dense oracle (`auto`: pft).
       mesh: a mesh from `xmoe_jax.sharding.make_mesh`; default the ambient one (or none).
       seq_len: tokens per sequence, for the sequence-wise balance loss.
 
@@ -55,6 +55,7 @@ def moe_layer(
       y_TD and MoEStats (moe/stats.py): loads before drops, drops, balance and z losses,
       and for pft/rbd the exchange's overflow, received rows and wire bytes.
     """
+    parallel = parallel.settle(has_experts=True)  # a placement passed bare: auto is pft
     mesh = mesh if mesh is not None else sharding.current_mesh()
     place = placement.resolve(parallel, mesh, x_TD.shape[0], cfg)
     constrain = placement.block_constrainer(parallel, mesh)

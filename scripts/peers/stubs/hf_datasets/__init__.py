@@ -1,5 +1,7 @@
 """Stub of Hugging Face `datasets` for torchtitan on a host without it: torchtitan's text loader
-imports these names, and the peer harness feeds random tokens instead (scripts/peers/titan_run.py)."""
+imports these names, and the peer harness feeds random tokens instead. Named `hf_datasets`, not
+`datasets`, so nothing resolves the real package (xmoe_jax's data sources import it) to this folder;
+scripts/peers/titan_run.py registers it as `datasets` only where the real one is missing."""
 
 
 class Dataset:

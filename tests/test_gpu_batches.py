@@ -1,0 +1,93 @@
+"""The GPU batches (scripts/gpu_bench_*.sh, scripts/bench_peers.sh) run as documented (issue 37
+section 2): scripts/bench_train_step.py carries its --steps into the config before the load-time
+checks read it, and every batch has a CPU dry run (DRY_RUN=1: tiny shapes, fake devices, few steps;
+scripts/gpu_env.sh) in the slow suite, so a config change cannot break a batch unseen."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from xmoe_jax.config import load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bench_train_step():
+    spec = importlib.util.spec_from_file_location(
+        "bench_train_step", REPO / "scripts" / "bench_train_step.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_train_step_checks_the_config_with_its_own_steps(monkeypatch):
+    """gpu_bench_depth.sh's run: configs/small.yaml (train.steps=50) with --steps 100 and a trace of
+    steps 60-61 was refused at load ("starts after the last step (train.steps=50)")."""
+    bench = _bench_train_step()
+    argv = ["--config", str(REPO / "configs" / "small.yaml"), "--steps", "100", "--log-every", "10",
+            "--set", "train.profile_steps=[60,61]", "--set", "mesh.expert=4", "--set", "mesh.data=1"]  # fmt: skip
+    loaded = []
+
+    class Loaded(Exception):
+        pass
+
+    def first_load(path, overrides):
+        loaded.append(load_config(path, overrides))  # the checks run here
+        raise Loaded
+
+    monkeypatch.setattr(bench, "load_config", first_load)
+    monkeypatch.setattr(sys, "argv", ["bench_train_step.py", *argv])
+    with pytest.raises(Loaded):
+        bench.main()
+    (cfg,) = loaded
+    assert (cfg.train.steps, cfg.train.log_every, cfg.train.profile_steps) == (100, 10, (60, 61))
+    assert not cfg.checkpoint.enabled
+
+
+# (script, arguments, environment, steps allowed to fail on the CPU: name -> why)
+TORCH = "torch.distributed over GPUs: no torch or NCCL on the CPU"
+GPU_ONLY = "a GPU-only XLA flag or kernel"
+DRY_RUNS = [
+    ("gpu_bench_depth.sh", [], {}, {}),
+    ("gpu_bench_deepseek.sh", ["h100"], {}, {}),
+    ("gpu_bench_deepseek.sh", ["x4"], {}, {}),
+    ("gpu_bench_exchange.sh", [], {"ROWS": "64"}, {"ex_torch": TORCH, "ex_memcpy": GPU_ONLY}),
+    ("gpu_bench_overlap.sh", ["ladder", "2"], {}, {}),
+    ("gpu_bench_overlap.sh", ["ways", "2"], {}, {}),
+    ("gpu_bench_pft.sh", ["h100"], {}, {}),
+    ("gpu_bench_pft.sh", ["ep2"], {}, {}),
+    ("gpu_bench_procs.sh", [], {"N": "2", "STEPS": "10"}, {}),
+    *[("gpu_bench_rbd.sh", [part], {}, {}) for part in ("layers", "train", "exchange", "buffer", "rerun", "backward")],
+    *[("gpu_bench_scale.sh", [part], {}, {"repro_default": GPU_ONLY, "repro_sendrecv": GPU_ONLY})
+      for part in ("h100a", "h100b", "x2a", "x2b", "x2c", "x2d")],
+    ("bench_peers.sh", [], {"PEERS_ROWS": "xmoe_none xmoe_full xmoe_ep4", "PEERS_BUDGET": "20000"}, {}),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, args, env, may_fail", DRY_RUNS, ids=[" ".join([case[0], *case[1]]) for case in DRY_RUNS]
+)
+def test_every_gpu_batch_runs_on_the_cpu(script, args, env, may_fail, tmp_path):
+    """DRY_RUN=1 (scripts/gpu_env.sh): the batch as written, on fake CPU devices with tiny shapes.
+    Every step must exit 0 (a config the batch's runs are refused on fails here), save those that
+    need a GPU by nature."""
+    import os
+    import re
+    import subprocess
+
+    run_env = {**os.environ, **env, "DRY_RUN": "1", "OUT": str(tmp_path / "out"), "PYTHONPATH": str(REPO)}
+    run_env.pop("XLA_FLAGS", None)  # conftest's 8 fake devices: gpu_env.sh sets its own
+    done = subprocess.run(["bash", f"scripts/{script}", *args], cwd=REPO, env=run_env, capture_output=True,
+                          text=True, timeout=7200)  # fmt: skip
+    out = done.stdout + done.stderr
+    steps = dict(re.findall(r"^(\S+) rc=(\d+) \d+s", done.stdout, re.MULTILINE))
+    assert steps, out[-3000:]
+    failed = {name: rc for name, rc in steps.items() if rc != "0" and name not in may_fail}
+    assert not failed, f"{failed}\n{out[-5000:]}"
+    assert "ConfigError" not in out, out[-5000:]
