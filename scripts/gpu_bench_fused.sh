@@ -10,8 +10,8 @@
 # layers at batch 32 (configs/tiny_small_shape.yaml, 15 steps) with the code before issue 35 (.old/, if
 # present) and with this tree, then torchtitan's best one-GPU row (no checkpointing, batch 16) through
 # scripts/bench_peers.sh, so the ratios come from one call.
-# CPU dry run (tiny shapes; the GPU-only rows fail there): OUT=/tmp/dry GATHER_ARGS=--tiny STEPS=2
-#   MATMUL_SIZE=256 bash scripts/gpu_bench_fused.sh
+# CPU dry run (tests/test_gpu_batches.py; the torchtitan row fails there): DRY_RUN=1 GATHER_ARGS=--tiny
+#   bash scripts/gpu_bench_fused.sh, and with PART=depth DEPTH_TRANSPORT=bucketed.
 #
 # PART=depth (4 GPUs, about 8 minutes): the paper's Small at 28 layers, EP 4, 4 x 16k tokens per GPU,
 # save_exchange, force-balanced router, $DEPTH_STEPS (25) steps with command buffers off so every kernel keeps
@@ -29,11 +29,9 @@ depth() {  # name dir transport: a traced full-depth run from the tree in dir
     --set train.micro_batch_size=32 --set model.remat=save_exchange --set parallel.transport="$transport" \
     --set model.moe.force_balance=true --set train.tensorboard=false --set "train.profile_steps=[18,19]" \
     ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} ${SHAPES:-})
-  [ -d "/tmp/$name/profile" ] || return
-  python3 scripts/step_breakdown.py "/tmp/$name/profile" --steps 2 --out "$OUT/$name.breakdown.json" \
-    > "$OUT/$name.breakdown.md" 2>&1
-  python3 scripts/kernel_overlap.py "/tmp/$name/profile" --out "$OUT/$name.overlap.json" > "$OUT/$name.overlap.txt" 2>&1
+  read_trace "/tmp/$name/profile" "$OUT/$name"
 }
+env_record "$OUT/env.txt"
 if [ "${PART:-one}" = depth ]; then
   [ -d .old ] && depth depth_before .old bucketed
   depth depth_after . "${DEPTH_TRANSPORT:-push}"

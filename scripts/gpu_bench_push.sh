@@ -16,18 +16,14 @@
 # Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
 # EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
 # logged every 10 (the windows show what buffer changes and their recompiles cost).
-# CPU dry run (tiny rows and shapes, fake devices; push runs its XLA reference there, the torch row fails):
-#   OUT=/tmp/dry ROWS=64 CHECK_ROWS=16 STEPS=3 MATMUL_SIZE=256 XLA_FLAGS=--xla_force_host_platform_device_count=4
-#   SHAPES="--set model.hidden=64 --set model.num_heads=2 --set model.head_dim=32 --set model.moe.expert_hidden=32
-#   --set model.vocab_size=256 --set train.seq_len=32 --set model.scan_unroll=1" bash scripts/gpu_bench_push.sh
+# CPU dry run (tests/test_gpu_batches.py; push runs its XLA reference there, the torch row fails):
+#   DRY_RUN=1 ROWS=64 CHECK_ROWS=16 PUSH=4,4x3 bash scripts/gpu_bench_push.sh
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 N=${N:-$(python3 -c 'import jax; print(jax.device_count())' 2>/dev/null || echo 2)}
-PUSH=${PUSH:-8,16,32,64,32x16}
+PUSH=${PUSH:-32,64,128,64x16}
 ROWS=${ROWS:-16384}
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nvidia-smi topo -m
-  git log -1 --format='commit %H %cs' 2>/dev/null; python3 -c 'import jax; print("jax", jax.__version__)'; date -u
-} > "$OUT/env.txt" 2>&1
+env_record "$OUT/env.txt"
 run_exchange() {
   step push_quick 60 python3 scripts/bench_exchange.py jax --rows 1024 --check-rows "${CHECK_ROWS:-512}" --updates "" \
     --push 32 --out "$OUT/push_quick.json"
@@ -37,23 +33,19 @@ run_exchange() {
     --rows "$ROWS" --out "$OUT/ex_torch.json"
   python3 scripts/bench_exchange.py table "$OUT"/ex_*.json > "$OUT/table.md" 2>&1
 }
-ts() {  # name timeout gpus overrides...: one bench_train_step run on the first `gpus` GPUs
-  local name=$1 limit=$2 n=$3; shift 3
-  CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) train_step "$name" "$limit" "${STEPS:-15}" configs/tiny_small_shape.yaml \
-    --log-every 5 --set mesh.expert="$n" --set mesh.data=1 --set train.batch_size=$((${BATCH_PER_GPU:-32} * n)) \
-    --set parallel.dispatch=pft --set train.tensorboard=false "$@"
-}
 for part in ${PARTS:-exchange scaling}; do
   case $part in
     exchange) run_exchange ;;
     scaling)
-      ts ws_1gpu 150 1
-      ts ws_bucketed 170 "$N" --set parallel.transport=bucketed
-      ts ws_push 170 "$N" --set parallel.transport=push ;;
+      ep_step ws_1gpu 150 1 "${STEPS:-15}" configs/tiny_small_shape.yaml --log-every 5 --set train.tensorboard=false
+      for transport in bucketed push; do
+        ep_step "ws_$transport" 170 "$N" "${STEPS:-15}" configs/tiny_small_shape.yaml --log-every 5 \
+          --set train.tensorboard=false --set parallel.transport=$transport
+      done ;;
     depth_*)
-      train_step "$part" 560 "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 --set mesh.expert="$N" \
-        --set mesh.data=1 --set train.batch_size=$((32 * N)) --set train.micro_batch_size=$((8 * N)) \
-        --set model.remat=save_exchange --set train.tensorboard=false --set parallel.transport="${part#depth_}" ;;
+      ep_step "$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
+        --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
+        --set parallel.transport="${part#depth_}" ;;
   esac
 done
 summary
