@@ -25,6 +25,7 @@ from xmoe_jax.kernels.backends import reset_warnings
 from xmoe_jax.kernels.gmm.xla import gmm_xla
 from xmoe_jax.moe.experts import _permute_up
 from xmoe_jax.moe.pft import _arrival_index
+from xmoe_jax.perf.fp8_bench import Recorder  # one results recorder for the kernel benchmarks
 from xmoe_jax.perf.timing import environment, time_fn
 
 CASES = {  # (tokens, top_k, experts, sources, D, F); ep4: tokens*top_k rows arrive from `sources`
@@ -153,21 +154,6 @@ def _torch_grouped_ms(rows, k_dim, n_dim, gs, iters) -> float | None:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
-
-
-class Recorder:
-    def __init__(self, path, meta):
-        self.path, self.meta, self.rows = path, meta, []
-
-    def add(self, **row):
-        self.rows.append(row)
-        print(
-            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-            flush=True,
-        )
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump({**self.meta, "results": self.rows}, f, indent=1)
 
 
 def _time(rec, iters, fn, args, flops, **key):
