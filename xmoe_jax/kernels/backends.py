@@ -12,7 +12,8 @@ oracle) and pallas (gmm/pallas_fp8.py) run it; triton and mgpu say why they cann
 A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,
 missing package) and why it cannot take one call (`shape_reason`: shapes, dtypes, tile), and
 runs the ops it has kernels for (`ops`): "gmm", "tgmm", "gmm_fp8", and "permute" (permute, combine and
-their gather-dot). `choose_backend` starts from the requested backend, or the platform's
+their gather-dot). Row-indexed gmm / tgmm calls (gmm/api.py; `Call.indexed`) run on xla, pallas and
+triton; mgpu refuses them (no TMA gather on Hopper) and hands them to pallas. `choose_backend` starts from the requested backend, or the platform's
 default (defaults.py), and walks `fallback` (mgpu -> pallas -> xla, triton -> pallas -> xla)
 past every backend that cannot run the call, with one warning per distinct reason, so a call
 never fails for lack of a kernel. A backend with no kernel of its own for an op (triton and

@@ -29,9 +29,11 @@ sum. It is the larger of two stages (n = expert matrices: 3 SwiGLU, 2 GELU):
   lowered densely, every operand expanded to one masked copy per local expert:
     GEMM workspace    2 * L*M*D + 2n * L*M*F (masked gradient / hidden copies);
     expert hidden     (n + 1) * M*F (hidden recomputed per matrix, activation, gradient);
-    dispatch saved    A*D send buffer (the M*D grouped buffer is regathered in the backward
-                      pass from the received rows: moe/experts.py)
-                      + 2 * A*D zeroed exchange outputs (peers only);
+    dispatch saved    A*D send buffer (no M*D grouped buffer: the experts read the received
+                      rows in place, moe/experts.py) + 2 * A*D zeroed exchange outputs (peers only);
+    row-index copies  2 * M*D (peers only): the XLA reference's gather of the received rows
+                      and its zeroed scatter target (the GEMM kernels make neither);
+    (SwiGLU)          - 3*L*M*D from the workspace: gate and up's backward is one GEMM;
     weights           n * L*D*F (re-laid for the GEMMs);
     output cotangent  T*D.
   exchange, forward of the combine exchange (peers only):
@@ -147,9 +149,17 @@ def stages(s: LayerShapes, grouped_gemm: str = "ragged_dot", transport: str = "e
     lmd, lmf = s.local_experts * s.recv * s.dim, s.local_experts * s.recv * s.hidden
     a_d, m_d, m_f, t_d = s.routed * s.dim, s.recv * s.dim, s.recv * s.hidden, s.tokens * s.dim
     ldf = s.local_experts * s.dim * s.hidden
+    dense = grouped_gemm == "ragged_dot"
+    # SwiGLU's gate and up backward is one GEMM over 2F (moe/experts.py): the dense lowering
+    # expands it once, not twice. Fitted on the tiny SwiGLU cases (F = D there: whether it scales
+    # with D or F is not pinned down), 3*L*M*D.
+    concat_saving = 3 * lmd if n == 3 else 0
     out = {
         "experts": {
-            "gemm workspace": (2 * lmd + 2 * n * lmf) * b if grouped_gemm == "ragged_dot" else 0,
+            "gemm workspace": (2 * lmd + 2 * n * lmf - concat_saving) * b if dense else 0,
+            # the XLA reference gathers the received rows and scatters into a zeroed output: two
+            # M*D copies the kernels do not make (they read and write rows in place)
+            "row-index copies": 2 * m_d * b if dense and s.peers > 1 else 0,
             "expert hidden": (n + 1) * m_f * b,
             # the grouped buffer M*D is no longer kept: the experts regather it from the received rows
             "dispatch saved": (3 * a_d if s.peers > 1 else a_d) * b,
