@@ -80,9 +80,8 @@ class BufferLadder:
         start = parallel.recv_buffer_factor if parallel.recv_buffer_factor is not None else DEFAULT_START
         self.index = _rung_index(start) if active else -1
         self.base = parallel
-        # a transport that keeps one buffer per run only grows (settled transports only: `auto` is
-        # resolved before any ladder is built, resolve.py)
-        shrinks = parallel.transport == "auto" or transports.get(parallel.transport).buffers_shrink
+        # a transport that keeps one buffer per run only grows (`auto` as the table settles it)
+        shrinks = transports.choose(parallel.transport).buffers_shrink
         self.shrink_after = parallel.buffer_shrink_after if shrinks else None
         self.quiet = 0  # steps in a row whose peak fits a smaller rung
         self.quiet_peak = 0.0  # the largest peak of those steps
