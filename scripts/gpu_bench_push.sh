@@ -25,7 +25,7 @@ PUSH=${PUSH:-32,64,128,64x16}
 ROWS=${ROWS:-16384}
 env_record "$OUT/env.txt"
 run_exchange() {
-  step push_quick 60 python3 scripts/bench_exchange.py jax --rows 1024 --check-rows "${CHECK_ROWS:-512}" --updates "" \
+  step push_quick 60 python3 scripts/bench_exchange.py jax --rows "${QUICK_ROWS:-1024}" --check-rows "${CHECK_ROWS:-512}" --updates "" \
     --push 32 --out "$OUT/push_quick.json"
   step ex_jax 240 python3 scripts/bench_exchange.py jax --rows "$ROWS" --check-rows "${CHECK_ROWS:-512}" --updates 512 \
     --push "$PUSH" --out "$OUT/ex_jax.json"
