@@ -42,7 +42,8 @@ fi
 step gather_gmm 240 python3 scripts/bench_gather_gmm.py ${GATHER_ARGS:-} --out "$OUT/gather_gmm.json"
 if [ -d .old ]; then
   (cd .old && PYTHONPATH=/tmp/site:$PWD step xmoe_before 180 python3 scripts/bench_train_step.py \
-    --config configs/tiny_small_shape.yaml --steps "$STEPS" --out "$OUT/xmoe_before.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"})
+    --config configs/tiny_small_shape.yaml --steps "$STEPS" --out "$OUT/xmoe_before.json" ${MATMUL_SIZE:+--matmul-size "$MATMUL_SIZE"} \
+    ${SHAPES:-})
 fi
 OUT=$OUT/peers PEERS_ROWS="${PEERS_ROWS:-xmoe_none titan_none16}" PEERS_BUDGET=${PEERS_BUDGET:-330} STEPS=$STEPS \
   bash scripts/bench_peers.sh > "$OUT/peers.log" 2>&1
