@@ -16,6 +16,10 @@
 # Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
 # EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
 # logged every 10 (the windows show what buffer changes and their recompiles cost).
+# Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
+# xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
+# its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's
+# chunk map logged on failure (TF_CPP_MIN_LOG_LEVEL=0), and again on CUDA's async allocator.
 # CPU dry run (tests/test_gpu_batches.py; push runs its XLA reference there, the torch row fails):
 #   DRY_RUN=1 ROWS=64 CHECK_ROWS=16 PUSH=4,4x3 bash scripts/gpu_bench_push.sh
 set -u
@@ -42,6 +46,24 @@ for part in ${PARTS:-exchange scaling}; do
         ep_step "ws_$transport" 170 "$N" "${STEPS:-15}" configs/tiny_small_shape.yaml --log-every 5 \
           --set train.tensorboard=false --set parallel.transport=$transport
       done ;;
+    depth_mem)
+      depth_sets="--set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange $(ep_sets "$N")"
+      for transport in push bucketed; do
+        # shellcheck disable=SC2086  # depth_sets and SHAPES are lists of --set overrides
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/dump_$transport --xla_dump_hlo_module_re=.*step.*" \
+          step "plan_$transport" 240 python3 -c "import sys; from xmoe_jax.cli import plan_main; sys.exit(plan_main())" --config configs/small.yaml --devices "$N" \
+          --real-devices --out "$OUT/plan_$transport.json" $depth_sets --set parallel.transport=$transport ${SHAPES:-}
+        find "$OUT/dump_$transport" -type f ! -name '*memory-usage-report*' -delete 2>/dev/null
+      done
+      TF_CPP_MIN_LOG_LEVEL=0 ep_step mem_push_bfc 200 "$N" 3 configs/small.yaml \
+        --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
+        --set parallel.transport=push
+      grep -E "Sum Total|InUse at .* of size [0-9]{9,}|Chunk at .* of size [0-9]{9,}|Stats|Limit|InUse:|Largest" \
+        "$OUT/mem_push_bfc.log" > "$OUT/mem_push_bfc.chunks.txt" 2>/dev/null
+      gzip -f "$OUT/mem_push_bfc.log"
+      TF_GPU_ALLOCATOR=cuda_malloc_async ep_step mem_push_async 200 "$N" 4 configs/small.yaml \
+        --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
+        --set parallel.transport=push ;;
     depth_*)
       ep_step "$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
