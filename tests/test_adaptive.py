@@ -22,6 +22,7 @@ from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig, load_config
 from xmoe_jax.moe import init_moe_params, moe_layer
 from xmoe_jax.moe.ladder import RUNGS, BufferLadder
 from xmoe_jax.sharding import make_mesh
+from xmoe_jax.train import headroom
 from xmoe_jax.train.buffers import AdaptiveStep
 from xmoe_jax.train.errors import TrainingError
 
@@ -94,13 +95,35 @@ def _oracle(tmp_root):
         ),
     ],
 )
-def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(tmp_path_factory, name, over):
+def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(
+    tmp_path_factory, monkeypatch, name, over
+):
     root = tmp_path_factory.getbasetemp()
     want, _, _, _, imbalance = _oracle(root)
     assert imbalance > 3  # heavy skew: the busiest expert gets > 3x the mean
+    # every rung's first run holds a cushion under its temporaries, freed after (train/headroom.py)
+    monkeypatch.setattr(headroom, "PLATFORMS", (jax.default_backend(),))
+    monkeypatch.setattr(headroom, "CUSHION_BYTES", 4096)
+    cushions = []
+    reserve, release = headroom.reserve, headroom.release
+
+    def reserve_once(mesh):
+        cushion = reserve(mesh)
+        cushions.append([cushion.addressable_shards[0].data.nbytes, False])
+        return cushion
+
+    def release_after(cushion, outputs):
+        release(cushion, outputs)
+        if cushion is not None:  # steady state: nothing held, nothing to free
+            cushions[-1][1] = cushion.is_deleted()
+
+    monkeypatch.setattr(headroom, "reserve", reserve_once)
+    monkeypatch.setattr(headroom, "release", release_after)
     losses, drops, overflow, ladder, _ = _skewed_run(
         _cfg(root / name, *over, "parallel.recv_buffer_factor=1.1")
     )
+    assert 2 <= len(cushions) <= ladder.changes + 1  # one per rung's first run (it grew at least once)
+    assert cushions == [[4096, True]] * len(cushions)  # one shard per device, freed after that run
     assert len(losses) == STEPS and max(drops) == 0.0 and max(overflow) == 0  # every applied step: no drop
     assert ladder.changes >= 1 and ladder.factor != 1.1  # it grew from the smallest rung
     for got, ref in zip(losses, want, strict=True):
@@ -265,7 +288,9 @@ def _one_step(cfg):
 def test_push_keeps_one_receive_buffer_grown_rarely_never_shrunk():
     """The push transport's record says its buffers do not shrink: after a grow, quiet steps move nothing,
     so a run settles on one buffer (one compiled step) instead of a recompile at every shrink."""
-    ladder = BufferLadder(ParallelConfig(dispatch="pft", transport="push", buffer_shrink_after=3), active=True)
+    ladder = BufferLadder(
+        ParallelConfig(dispatch="pft", transport="push", buffer_shrink_after=3), active=True
+    )
     ladder.grow(step=1, overflow=5, peak_ratio=1.6)
     assert ladder.factor == 1.75 and ladder.changes == 1
     for step in range(2, 40):

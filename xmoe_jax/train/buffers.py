@@ -15,6 +15,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import distributed
 from xmoe_jax.moe.ladder import BufferLadder, applies
+from xmoe_jax.train import headroom
 from xmoe_jax.train.errors import TrainingError
 
 
@@ -42,7 +43,12 @@ class AdaptiveStep:
 
     def __call__(self, state, batch: dict, step: int):
         while True:
-            state, metrics = self._fn(self.ladder.parallel, state, batch)(state, batch)
+            # a rung's first run gets headroom under its temporaries (train/headroom.py)
+            first_run = self.ladder.parallel.recv_buffer_factor not in self._compiled
+            fn = self._fn(self.ladder.parallel, state, batch)
+            cushion = headroom.reserve(self.mesh) if first_run else None
+            state, metrics = fn(state, batch)
+            headroom.release(cushion, metrics)
             if not self.ladder.active:
                 return state, metrics
             overflow, ratio = int(metrics["num_overflow"]), float(metrics["peak_ratio"])

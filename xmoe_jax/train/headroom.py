@@ -1,0 +1,48 @@
+"""Headroom under a step's temporaries: slack so that XLA's GPU allocator can place the next step.
+
+XLA:GPU (jax 0.11.2) takes a step's temporaries as one block from the lower end of its BFC pool;
+some of the step's outputs land above that block and stay while the loop still holds them. Between
+two steps, small allocations (the next batch, the next step's first outputs) then fall into the
+hole the block left, and a block of the same size no longer fits there, although the pool has room.
+Measured: the 28-layer push step on 4x H200 asked 51.96 GiB with 94.9 GiB free, its hole 512 KiB
+short (the next batch), and failed in its second step (benchmarks/exchange.md).
+
+`reserve` allocates a small cushion on every device of the mesh before an executable's first run,
+so its temporaries are placed above the cushion; `release` waits for that run and frees the cushion.
+The hole under the block is then the block plus the cushion, and what lands there between steps
+takes the slack instead of the block's room. One cushion per compiled step, never during steady
+state; on CPU (no such allocator) and where the pool has no room left it does nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+CUSHION_BYTES = 256 << 20  # far above what lands between steps (a batch, a step's metrics)
+PLATFORMS = ("gpu",)  # jax.default_backend() values whose allocator needs it
+
+
+def reserve(mesh, nbytes: int | None = None, platforms: tuple[str, ...] | None = None) -> jax.Array | None:
+    """`nbytes` (default CUSHION_BYTES) on every device of `mesh` (uint8, one shard each), or None
+    off `platforms` (default PLATFORMS) or where no device has the room (the step runs as it would
+    without)."""
+    nbytes = CUSHION_BYTES if nbytes is None else nbytes
+    if jax.default_backend() not in (platforms or PLATFORMS) or nbytes <= 0:
+        return None
+    sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    try:
+        return jax.jit(lambda: jnp.zeros((mesh.size * nbytes,), jnp.uint8), out_shardings=sharding)()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+
+
+def release(cushion: jax.Array | None, outputs) -> None:
+    """Frees `cushion` once the run that produced `outputs` is done (its temporaries placed)."""
+    if cushion is None:
+        return
+    jax.block_until_ready(outputs)
+    cushion.delete()
