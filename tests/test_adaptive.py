@@ -66,6 +66,8 @@ def _skewed_run(cfg, num_steps: int = STEPS):
         for step in range(1, num_steps + 1):
             batch = {k: jax.device_put(v, sh) for k, v in next(data).items()}
             state, metrics = step_fn(state, batch, step)
+            # the ladder waits for every step: its metrics come back on the host (train/headroom.py)
+            assert not step_fn.ladder.active or not any(isinstance(v, jax.Array) for v in metrics.values())
             losses.append(float(metrics["loss"]))
             drops.append(float(np.asarray(metrics["drop_rate"]).max()))
             overflow.append(int(metrics.get("num_overflow", 0)))

@@ -11,6 +11,8 @@ Applies to dropless pft/rbd on more than one device (`parallel.adaptive_buffers`
 
 from __future__ import annotations
 
+import jax
+
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import distributed
@@ -51,6 +53,9 @@ class AdaptiveStep:
             headroom.release(cushion, metrics)
             if not self.ladder.active:
                 return state, metrics
+            # the ladder waits for every step anyway: the metrics move to the host now, so no output
+            # of this step stays on the devices above its temporaries (train/headroom.py)
+            metrics = jax.device_get(metrics)
             overflow, ratio = int(metrics["num_overflow"]), float(metrics["peak_ratio"])
             if not overflow:
                 self.ladder.observe(step, ratio)
