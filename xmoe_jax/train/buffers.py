@@ -62,4 +62,7 @@ class AdaptiveStep:
                 return state, metrics
             if self.ladder.factor is None:
                 raise TrainingError(f"step {step}: {overflow} copies overflowed worst-case buffers (a bug)")
+            old = self.ladder.parallel.recv_buffer_factor
             self.ladder.grow(step, overflow, ratio)
+            if self.ladder.shrink_after is None:  # never back to a smaller rung: let its step go
+                self._compiled.pop(old, None)

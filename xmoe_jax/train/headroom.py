@@ -10,7 +10,12 @@ short (the next batch), and failed in its second step (benchmarks/exchange.md).
 `reserve` allocates a small cushion on every device of the mesh before an executable's first run,
 so its temporaries are placed above the cushion; `release` waits for that run and frees the cushion.
 The hole under the block is then the block plus the cushion, and what lands there between steps
-takes the slack instead of the block's room. One cushion per compiled step, never during steady
+takes the slack instead of the block's room. A first run also keeps small buffers for as long as
+its executable lives (the Mosaic push kernels' tables of peer addresses, 256 B per call site: six
+at the top of the 28-layer step's block in the allocator's dump), carved above the block when no
+small hole is free; so `reserve` first leaves such a hole (LANDING_BYTES, allocated under the
+cushion and freed). Otherwise those six would part the block's hole from the free space above it,
+and a rung change's larger step would not fit. One cushion per compiled step, never during steady
 state; on CPU (no such allocator) and where the pool has no room left it does nothing.
 
 The other half is in train/buffers.py: where the buffer ladder waits for every step, the step's
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 CUSHION_BYTES = 256 << 20  # far above what lands between steps (a batch, a step's metrics)
+LANDING_BYTES = 1 << 20  # a hole for what a first run keeps (its kernels' peer tables: 256 B each)
 PLATFORMS = ("gpu",)  # jax.default_backend() values whose allocator needs it
 
 
@@ -37,12 +43,20 @@ def reserve(mesh, nbytes: int | None = None, platforms: tuple[str, ...] | None =
     if jax.default_backend() not in (platforms or PLATFORMS) or nbytes <= 0:
         return None
     sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+
+    def per_device(size: int) -> jax.Array:
+        out = jax.jit(lambda: jnp.zeros((mesh.size * size,), jnp.uint8), out_shardings=sharding)()
+        return out.block_until_ready()  # placed before the next allocation
+
     try:
-        return jax.jit(lambda: jnp.zeros((mesh.size * nbytes,), jnp.uint8), out_shardings=sharding)()
+        landing = per_device(LANDING_BYTES)
+        cushion = per_device(nbytes)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         return None
+    landing.delete()  # a small free hole for the run's own small, long-lived buffers
+    return cushion
 
 
 def release(cushion: jax.Array | None, outputs) -> None:
