@@ -11,8 +11,8 @@ short (the next batch), and failed in its second step (benchmarks/exchange.md).
 so its temporaries are placed above the cushion; `release` waits for that run and frees the cushion.
 The hole under the block is then the block plus the cushion, and what lands there between steps
 takes the slack instead of the block's room. A first run also keeps small buffers for as long as
-its executable lives (the Mosaic push kernels' tables of peer addresses, 256 B per call site: six
-at the top of the 28-layer step's block in the allocator's dump), carved above the block when no
+its executable lives (six of 256 B at the top of the 28-layer push step's block in the allocator's
+dump, most likely the Mosaic kernels' tables of peer addresses), carved above the block when no
 small hole is free; so `reserve` first leaves such a hole (LANDING_BYTES, allocated under the
 cushion and freed). Otherwise those six would part the block's hole from the free space above it,
 and a rung change's larger step would not fit. One cushion per compiled step, never during steady
