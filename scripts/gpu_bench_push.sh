@@ -20,6 +20,8 @@
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
 # its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's
 # chunk map logged on failure (TF_CPP_MIN_LOG_LEVEL=0), and again on CUDA's async allocator.
+# Part `overlap` (about 1 minute): scripts/bench_push_overlap.py, the push kernel beside an independent GEMM on
+# one stream and with the kernel annotated to XLA's stream 1, under XLA's default scheduler and the latency-hiding one.
 # CPU dry run (tests/test_gpu_batches.py; push runs its XLA reference there, the torch row fails):
 #   DRY_RUN=1 ROWS=64 CHECK_ROWS=16 PUSH=4,4x3 bash scripts/gpu_bench_push.sh
 set -u
@@ -46,6 +48,11 @@ for part in ${PARTS:-exchange scaling}; do
         ep_step "ws_$transport" 170 "$N" "${STEPS:-15}" configs/tiny_small_shape.yaml --log-every 5 \
           --set train.tensorboard=false --set parallel.transport=$transport
       done ;;
+    overlap)
+      step overlap_default 150 python3 scripts/bench_push_overlap.py --rows "$ROWS" --gemm-rows $((4 * ROWS)) \
+        --out "$OUT/overlap_default.json"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" step overlap_lhs 150 \
+        python3 scripts/bench_push_overlap.py --rows "$ROWS" --gemm-rows $((4 * ROWS)) --out "$OUT/overlap_lhs.json" ;;
     depth_mem)
       depth_sets="--set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange $(ep_sets "$N")"
       for transport in push bucketed; do

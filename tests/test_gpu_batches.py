@@ -73,6 +73,7 @@ DRY_RUNS = [
       for part in ("h100a", "h100b", "x2a", "x2b", "x2c", "x2d")],
     ("bench_peers.sh", [], {"PEERS_ROWS": "xmoe_none xmoe_full xmoe_ep4", "PEERS_BUDGET": "20000"}, {}),
     ("gpu_bench_push.sh", [], {"ROWS": "64", "QUICK_ROWS": "64", "CHECK_ROWS": "16", "PUSH": "4,4x3"}, {"ex_torch": TORCH}),
+    ("gpu_bench_push.sh", ["overlap depth_mem"], {"PARTS": "overlap depth_mem", "ROWS": "64"}, {}),
     ("gpu_bench_fused.sh", [], {"GATHER_ARGS": "--tiny", "PEERS_ROWS": "xmoe_none"}, {}),
     ("gpu_bench_fused.sh", ["depth"], {"PART": "depth", "DEPTH_TRANSPORT": "bucketed"}, {}),
 ]  # fmt: skip
