@@ -27,7 +27,9 @@ class ParallelConfig:
       `emulated` (its exact emulation, the CPU default), `push` (our Mosaic-GPU kernel writing rows
       into the peers' receive buffers; Hopper, one process per host); `auto` = bucketed on GPU.
     recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
-      the worst case). With adaptive_buffers this is where the trainer starts (None: 1.25).
+      the worst case). With adaptive_buffers this is where the trainer starts (None: 1.2; for a
+      transport with one receive buffer per run, push, the worst case where that step fits the
+      device's memory: train/buffers.py).
     adaptive_buffers: dropless pft/rbd training sizes the buffers itself (moe/ladder.py,
       train/buffers.py): a step whose copies do not fit is not applied and reruns on the ladder's
       smallest rung that holds its peak (1.05 ... 3 x the average, then the worst case); after
