@@ -5,14 +5,14 @@
 On every GPU, one compiled loop runs, per iteration, the push exchange of R rows x 2048 bf16 per peer pair
 (uniform) and a GEMM [M, 2048] x [2048, 2048] that does not depend on it:
   gemm     the GEMM alone;
-  push     the exchange alone;
+  alone    the exchange alone;
   serial   both, as XLA schedules them on its one compute stream (what the train step does today);
   stream   both, the exchange's kernel annotated to XLA's stream 1 (`jax.experimental.compute_on
            ("gpu_stream:1")`, XLA flag --xla_gpu_experimental_stream_annotation=true, set here), so XLA
            may run it beside the GEMM.
 Per mode the time of one iteration is (t25 - t5) / 20 (launch and sync cancel), best of 3. The report:
-hidden = (gemm + push - both) / min(gemm, push), the share of the shorter one that ran under the other
-(0 = none, 1 = all). Correctness first: the exchange's rows in `stream` equal those of `push` bit for bit.
+hidden = (gemm + alone - both) / min(gemm, alone), the share of the shorter one that ran under the other
+(0 = none, 1 = all). Correctness first: the exchange's rows in `stream` equal those of `alone` bit for bit.
 Whether XLA wrapped the kernel in an async pair is read from the compiled HLO (`async_in_hlo`).
 On CPU (a dry run: tests/test_gpu_batches.py style) the exchange runs its XLA reference.
 """
@@ -66,7 +66,7 @@ def build(mode: str, peers: int, rows: int, gemm_rows: int):
     def body(x_ND, a_MD, w_DD, loops):
         def step(_, carry):
             x, a = carry
-            if mode in ("push", "serial", "stream"):
+            if mode in ("alone", "serial", "stream"):
                 if mode == "stream":
                     x = on_stream(exchange)(x)
                 else:
@@ -143,10 +143,10 @@ def main() -> int:
         "times_ms": {},
     }
     outs = {}
-    for mode in ("gemm", "push", "serial", "stream"):
+    for mode in ("gemm", "alone", "serial", "stream"):
         fn, make = build(mode, peers, args.rows, args.gemm_rows)
         data = make(jax.random.key(0))
-        if mode in ("push", "stream"):
+        if mode in ("alone", "stream"):
             outs[mode] = np.asarray(jax.device_get(fn(*data, 1)[0]).astype(np.float32))
         if mode == "stream":
             lowered = fn.lower(*data, 1)
@@ -155,13 +155,13 @@ def main() -> int:
             result["async_in_hlo"] = "async-start" in hlo or "async_start" in hlo
         result["times_ms"][mode] = 1e3 * measure(fn, data)
         print(f"{mode:7s} {result['times_ms'][mode]:.3f} ms", flush=True)
-    result["stream_equals_push"] = bool(np.array_equal(outs["push"], outs["stream"]))
+    result["stream_equals_alone"] = bool(np.array_equal(outs["alone"], outs["stream"]))
     t = result["times_ms"]
-    shorter = min(t["gemm"], t["push"])
+    shorter = min(t["gemm"], t["alone"])
     for mode in ("serial", "stream"):
-        result[f"hidden_{mode}"] = (t["gemm"] + t["push"] - t[mode]) / shorter
+        result[f"hidden_{mode}"] = (t["gemm"] + t["alone"] - t[mode]) / shorter
     print(
-        f"stream == push bit for bit: {result['stream_equals_push']}; annotated: {result.get('annotated')}; "
+        f"stream == alone bit for bit: {result['stream_equals_alone']}; annotated: {result.get('annotated')}; "
         f"async pair in HLO: {result.get('async_in_hlo')}\n"
         f"hidden share of the shorter op: serial {result['hidden_serial']:.2f}, stream {result['hidden_stream']:.2f}"
     )
