@@ -43,6 +43,17 @@ from xmoe_jax.moe.dispatchers import exchanges_tokens
 GiB = 2**30
 
 
+def compiled_peak(mem) -> int:
+    """Per-device bytes a compiled step holds at its peak, from its `memory_analysis()`: arguments +
+    temporaries + outputs - donated (outputs written into donated inputs)."""
+    return (
+        mem.argument_size_in_bytes
+        + mem.temp_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+
+
 def _per_device(tree) -> int:
     total = 0
     for leaf in jax.tree.leaves(tree):

@@ -26,6 +26,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import distributed
 from xmoe_jax.moe.ladder import BufferLadder, applies
+from xmoe_jax.plan import compiled_peak
 from xmoe_jax.train import headroom
 from xmoe_jax.train.errors import TrainingError
 
@@ -76,13 +77,7 @@ class AdaptiveStep:
             return
         worst = ladder.worst_case()
         compiled = self._jitted(worst).lower(state, batch).compile()
-        mem = compiled.memory_analysis()
-        need = (
-            mem.argument_size_in_bytes
-            + mem.temp_size_in_bytes
-            + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes
-        )
+        need = compiled_peak(compiled.memory_analysis())
         gib = 2**30
         if need > FIT * limit:
             log.info(
