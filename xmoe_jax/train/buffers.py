@@ -14,9 +14,6 @@ step compiles at the worst case and, if that step's memory (XLA's own figure: ar
 temporaries + outputs - donated) fits the device's pool with `FIT` to spare, the run stays there:
 no copy can overflow, so no step reruns and nothing recompiles. Otherwise that compile is dropped
 and the ladder starts at its usual rung. One process only (every process must decide alike).
-`AdaptiveStep` takes the config as the user wrote it and settles its placement itself (resolve.py
-fills the ladder's first rung into `recv_buffer_factor`, after which a start the user named and
-the default look alike).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from xmoe_jax.config import Config, ParallelConfig
 from xmoe_jax.launch import distributed
 from xmoe_jax.moe.ladder import BufferLadder, applies
 from xmoe_jax.plan import compiled_peak
-from xmoe_jax.resolve import resolve_placement
 from xmoe_jax.train import headroom
 from xmoe_jax.train.errors import TrainingError
 
@@ -44,10 +40,8 @@ class AdaptiveStep:
     read after every step while the ladder is active)."""
 
     def __init__(self, cfg: Config, optimizer, mesh, shardings):
-        exchange_devices = sharding.axis_size(mesh, sharding.EXPERT_AXES)
-        self.start_named = cfg.parallel.recv_buffer_factor is not None  # as written: before resolve.py
-        cfg = resolve_placement(cfg, exchange_devices)
         self.cfg, self.optimizer, self.mesh, self.shardings = cfg, optimizer, mesh, shardings
+        exchange_devices = sharding.axis_size(mesh, sharding.EXPERT_AXES)
         self.ladder = BufferLadder(cfg.parallel, applies(cfg, exchange_devices))
         self._compiled: dict = {}
         self._sized = False  # whether the one-buffer start (module docstring) was decided
@@ -74,7 +68,7 @@ class AdaptiveStep:
         if not (
             ladder.active
             and ladder.shrink_after is None
-            and not self.start_named
+            and self.cfg.parallel.recv_buffer_factor is None
             and jax.process_count() == 1
         ):
             return

@@ -198,7 +198,7 @@ def _run(
         log.info("resumed from %s at step %d", run.checkpoints, start)
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         run.trim_metrics(start or 0)
-    step_fn = AdaptiveStep(cfg, optimizer, mesh, shardings)  # as written: it places it (buffers.py)
+    step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
     data_sh = tstep.batch_sharding(mesh, cfg)
 
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
