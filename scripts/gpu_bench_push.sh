@@ -15,8 +15,7 @@
 # the JSON (push and bucketed must train alike).
 # Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
 # EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
-# logged every 10 (the windows show what buffer changes and their recompiles cost; push starts at the worst case
-# where that step fits the GPU's memory, train/buffers.py, so its log says which start it took).
+# logged every 10 (the windows show what buffer changes and their recompiles cost).
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
 # its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's

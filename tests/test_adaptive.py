@@ -132,23 +132,16 @@ def test_skewed_dropless_run_grows_buffers_never_drops_and_equals_dense(
         assert abs(got - ref) <= 1e-5 * abs(ref), (name, losses, want)
 
 
-@pytest.mark.parametrize(
-    "limit_gib, worst", [(1024.0, True), pytest.param(1e-6, False, marks=pytest.mark.slow)]
-)
-def test_push_is_sized_once_at_the_worst_case_where_it_fits(tmp_path_factory, monkeypatch, limit_gib, worst):
-    """One receive buffer per run (push, issue 36): the worst case where its step fits the device's pool,
-    so nothing overflows or recompiles; otherwise the ladder's usual start, growing on overflow."""
+def test_push_starts_on_the_first_rung_and_only_grows(tmp_path_factory):
+    """One receive buffer per run (push, issue 36): the ladder's usual start, grown on overflow and never
+    shrunk (a worst-case start was measured slower at full depth: buffers.py), equal to the dense oracle."""
     root = tmp_path_factory.getbasetemp()
     want = _oracle(root)[0]
-    monkeypatch.setattr(headroom, "device_limit", lambda: int(limit_gib * 2**30))
     losses, drops, overflow, ladder, _ = _skewed_run(
-        _cfg(root / f"push-{worst}", "parallel.dispatch=pft", "parallel.transport=push"), num_steps=3
+        _cfg(root / "push", "parallel.dispatch=pft", "parallel.transport=push"), num_steps=3
     )
     assert max(drops) == 0.0 and max(overflow) == 0
-    if worst:
-        assert ladder.factor is None and ladder.changes == 0  # never moved, never recompiled
-    else:
-        assert ladder.changes >= 1  # started at the usual rung and grew (heavy skew)
+    assert ladder.shrink_after is None and ladder.changes >= 1 and ladder.factor != 1.2  # grew (heavy skew)
     for got, ref in zip(losses, want, strict=False):
         assert abs(got - ref) <= 1e-5 * abs(ref), (losses, want)
 

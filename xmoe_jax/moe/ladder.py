@@ -96,14 +96,6 @@ class BufferLadder:
         """The placement the current rung compiles with."""
         return dataclasses.replace(self.base, recv_buffer_factor=self.factor) if self.active else self.base
 
-    def worst_case(self) -> ParallelConfig:
-        """The placement of the ladder's top rung (the worst case: nothing can overflow)."""
-        return dataclasses.replace(self.base, recv_buffer_factor=RUNGS[-1])
-
-    def start_at(self, factor: float | None) -> None:
-        """Start the run on the rung of `factor` (before any step: not counted as a change)."""
-        self.index = _rung_index(factor)
-
     def _move(self, index: int) -> float | None:
         old = self.factor
         self.index = index

@@ -59,14 +59,6 @@ def reserve(mesh, nbytes: int | None = None, platforms: tuple[str, ...] | None =
     return cushion
 
 
-def device_limit() -> int | None:
-    """The bytes XLA's pool may hold on this process's first device (None where there is no pool: CPU)."""
-    if jax.default_backend() not in PLATFORMS:
-        return None
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
 def release(cushion: jax.Array | None, outputs) -> None:
     """Frees `cushion` once the run that produced `outputs` is done (its temporaries placed)."""
     if cushion is None:
