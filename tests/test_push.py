@@ -10,6 +10,8 @@ reference with several updates per peer, and the kernel lowered to Mosaic GPU fo
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +94,12 @@ def test_kernel_lowers_to_mosaic_gpu_for_cuda_on_this_cpu():
     exported = jax.export.export(fn, platforms=["cuda"])(
         arg((PEERS * 512, 2048), jnp.bfloat16), arg((PEERS, 3, PEERS * 2), jnp.int32)
     )
-    assert "mosaic_gpu" in exported.mlir_module()
+    module = exported.mlir_module()
+    assert "mosaic_gpu" in module
+    # the rows leave through a barrier, so XLA:GPU's dynamic-slice fusion cannot clone the kernel into
+    # a store (test_the_kernel_runs_once_per_call_when_a_scan_stacks_its_rows, on GPUs)
+    calls = re.findall(r"(%\w+):2 = stablehlo.custom_call @mosaic_gpu_v2", module)
+    assert calls and all(re.search(rf"stablehlo.optimization_barrier {c}#0", module) for c in calls), calls
 
 
 def test_rows_that_bulk_copies_cannot_move_are_refused_by_name():
@@ -122,3 +129,40 @@ def test_platforms_without_the_kernel_are_refused_naming_the_fallback():
             num_peers=4,
             max_piece=2,
         )
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.device_count() < 2 or not platform.is_hopper(),
+    reason="compiles the Mosaic kernel for 2+ Hopper GPUs",
+)
+def test_the_kernel_runs_once_per_call_when_a_scan_stacks_its_rows():
+    """A scan that stacks the pushed rows (as the layer scan stacks a saved residual) and also reads
+    them: XLA:GPU's dynamic-slice fusion cloned the kernel into the stack's store, so each exchange
+    ran twice (found at 28 layers on 4x H200). One kernel per call in the compiled program."""
+    peers = jax.device_count()
+    mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(AxisType.Explicit,))
+    rows = 64
+
+    def step(x, m):
+        def body(carry, _):
+            y = mgpu.push_rows(carry, m[0], out_rows=rows, axis_name=AXIS, num_peers=peers, num_ctas=4)
+            return carry + y, y  # y read by the carry and stacked by the scan
+
+        return jax.lax.scan(body, x, None, length=3)
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(PartitionSpec(AXIS),) * 2,
+            out_specs=PartitionSpec(AXIS),
+            check_vma=False,
+        )
+    )
+    on_axis = NamedSharding(mesh, PartitionSpec(AXIS))
+    args = (  # compiled only, never run
+        jax.ShapeDtypeStruct((peers * rows, 128), jnp.bfloat16, sharding=on_axis),
+        jax.ShapeDtypeStruct((peers, 3, peers), jnp.int32, sharding=on_axis),
+    )
+    compiled = fn.lower(*args).compile().as_text()
+    assert compiled.count('custom_call_target="mosaic_gpu_v2"') == 1

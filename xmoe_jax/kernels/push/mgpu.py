@@ -174,7 +174,7 @@ def push_rows(
         rows=rows,
         stages=stages,
     )
-    return plgpu.kernel(
+    out_MD = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((out_rows, dim), x_ND.dtype),
         grid=(num_ctas,),
@@ -185,3 +185,9 @@ def push_rows(
         ],
         kernel_name="xmoe_push",
     )(meta_3X, x_ND)
+    # XLA:GPU's dynamic-slice fusion (on by default in jax 0.11.2) folds a custom call whose result a
+    # dynamic-update-slice stores (the layer scan stacking a saved residual: remat=save_exchange) into
+    # that store, cloning the call when the result has other users: every exchange ran twice in the
+    # forward pass (6 kernels per layer and micro-batch where the program has 4; benchmarks/exchange.md).
+    # Behind a barrier the store takes the rows as a plain copy.
+    return lax.optimization_barrier(out_MD)
