@@ -29,6 +29,18 @@ def _mesh():
     return jax.make_mesh((1, PEERS), ("data", AXIS), axis_types=(AxisType.Explicit,) * 2)
 
 
+def _on_axis(body, mesh):
+    """jit(shard_map(body)) with both operands and the result split over the exchange axis."""
+    spec = PartitionSpec(AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False))
+
+
+def _abstract(mesh, *shapes):
+    """Abstract operands (shape, dtype) split over the exchange axis: lowered and compiled, never run."""
+    on_axis = NamedSharding(mesh, PartitionSpec(AXIS))
+    return tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=on_axis) for shape, dtype in shapes)
+
+
 def _meta(rng):
     """Per device U updates per peer, each a random (src, size, dst) that keeps inside the buffers."""
     size = rng.integers(0, 3, (PEERS, PEERS * U)).astype(np.int32)
@@ -78,21 +90,8 @@ def test_kernel_lowers_to_mosaic_gpu_for_cuda_on_this_cpu():
     def body(x, m):
         return mgpu.push_rows(x, m[0], out_rows=600, axis_name=AXIS, num_peers=PEERS, num_ctas=8)
 
-    fn = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(PartitionSpec(AXIS),) * 2,
-            out_specs=PartitionSpec(AXIS),
-            check_vma=False,
-        )
-    )
-
-    def arg(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(AXIS)))
-
-    exported = jax.export.export(fn, platforms=["cuda"])(
-        arg((PEERS * 512, 2048), jnp.bfloat16), arg((PEERS, 3, PEERS * 2), jnp.int32)
+    exported = jax.export.export(_on_axis(body, mesh), platforms=["cuda"])(
+        *_abstract(mesh, ((PEERS * 512, 2048), jnp.bfloat16), ((PEERS, 3, PEERS * 2), jnp.int32))
     )
     module = exported.mlir_module()
     assert "mosaic_gpu" in module
@@ -150,19 +149,6 @@ def test_the_kernel_runs_once_per_call_when_a_scan_stacks_its_rows():
 
         return jax.lax.scan(body, x, None, length=3)
 
-    fn = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(PartitionSpec(AXIS),) * 2,
-            out_specs=PartitionSpec(AXIS),
-            check_vma=False,
-        )
-    )
-    on_axis = NamedSharding(mesh, PartitionSpec(AXIS))
-    args = (  # compiled only, never run
-        jax.ShapeDtypeStruct((peers * rows, 128), jnp.bfloat16, sharding=on_axis),
-        jax.ShapeDtypeStruct((peers, 3, peers), jnp.int32, sharding=on_axis),
-    )
-    compiled = fn.lower(*args).compile().as_text()
+    args = _abstract(mesh, ((peers * rows, 128), jnp.bfloat16), ((peers, 3, peers), jnp.int32))
+    compiled = _on_axis(step, mesh).lower(*args).compile().as_text()  # compiled only, never run
     assert compiled.count('custom_call_target="mosaic_gpu_v2"') == 1
