@@ -31,6 +31,8 @@ PUSH=${PUSH:-32,64,128,64x16}
 ROWS=${ROWS:-16384}
 env_record "$OUT/env.txt"
 run_exchange() {
+  # one kernel per call where a scan stacks the rows (XLA's dynamic-slice fusion cloned it: docs/profiling.md)
+  step push_once 120 python3 -m pytest -q -p no:cacheprovider tests/test_push.py -k once_per_call
   step push_quick 60 python3 scripts/bench_exchange.py jax --rows "${QUICK_ROWS:-1024}" --check-rows "${CHECK_ROWS:-512}" --updates "" \
     --push 32 --out "$OUT/push_quick.json"
   step ex_jax 240 python3 scripts/bench_exchange.py jax --rows "$ROWS" --check-rows "${CHECK_ROWS:-512}" --updates 512 \
