@@ -20,7 +20,7 @@ import trainer_parts
 
 from xmoe_jax.config import MeshConfig, MoEConfig, ParallelConfig, load_config
 from xmoe_jax.moe import init_moe_params, moe_layer
-from xmoe_jax.moe.ladder import RUNGS, BufferLadder
+from xmoe_jax.moe.ladder import RUNGS, SHRINK_AFTER, BufferLadder
 from xmoe_jax.sharding import make_mesh
 from xmoe_jax.train import headroom
 from xmoe_jax.train.buffers import AdaptiveStep
@@ -220,7 +220,7 @@ def test_ladder_a_transient_spike_costs_tens_of_steps():
     ladder = BufferLadder(ParallelConfig(dispatch="pft"), active=True)
     ladder.grow(step=10, overflow=100, peak_ratio=2.8)
     assert ladder.factor == 3.0
-    for step in range(11, 11 + ParallelConfig().buffer_shrink_after):
+    for step in range(11, 11 + SHRINK_AFTER):
         ladder.observe(step, peak_ratio=1.13)
     assert ladder.factor == 1.2 and ladder.changes == 2
 
@@ -303,12 +303,20 @@ def _one_step(cfg):
 
 def test_push_keeps_one_receive_buffer_grown_rarely_never_shrunk():
     """The push transport's record says its buffers do not shrink: after a grow, quiet steps move nothing,
-    so a run settles on one buffer (one compiled step) instead of a recompile at every shrink."""
-    ladder = BufferLadder(
-        ParallelConfig(dispatch="pft", transport="push", buffer_shrink_after=3), active=True
-    )
+    so a run settles on one buffer (one compiled step) instead of a recompile at every shrink. A pace the
+    user names (parallel.buffer_shrink_after) shrinks it like any transport's."""
+    ladder = BufferLadder(ParallelConfig(dispatch="pft", transport="push"), active=True)
     ladder.grow(step=1, overflow=5, peak_ratio=1.6)
     assert ladder.factor == 1.75 and ladder.changes == 1
     for step in range(2, 40):
         ladder.observe(step, peak_ratio=1.0)
     assert ladder.factor == 1.75 and ladder.changes == 1
+    paced = BufferLadder(ParallelConfig(dispatch="pft", transport="push", buffer_shrink_after=3), active=True)
+    paced.grow(step=1, overflow=5, peak_ratio=1.6)
+    for step in range(2, 5):
+        paced.observe(step, peak_ratio=1.0)
+    assert paced.factor == 1.1 and paced.changes == 2  # peak 1.0 with SHRINK_MARGIN to spare
+    assert (
+        BufferLadder(ParallelConfig(dispatch="pft", transport="bucketed"), active=True).shrink_after
+        == SHRINK_AFTER
+    )

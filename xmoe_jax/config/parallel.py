@@ -27,14 +27,13 @@ class ParallelConfig:
       `emulated` (its exact emulation, the CPU default), `push` (our Mosaic-GPU kernel writing rows
       into the peers' receive buffers; Hopper, one process per host); `auto` = bucketed on GPU.
     recv_buffer_factor: pft/rbd receive buffers hold factor x the average routed rows (None =
-      the worst case). With adaptive_buffers this is where the trainer starts (None: 1.2; for a
-      transport with one receive buffer per run, push, the worst case where that step fits the
-      device's memory: train/buffers.py).
+      the worst case). With adaptive_buffers this is where the trainer starts (None: 1.2).
     adaptive_buffers: dropless pft/rbd training sizes the buffers itself (moe/ladder.py,
       train/buffers.py): a step whose copies do not fit is not applied and reruns on the ladder's
       smallest rung that holds its peak (1.05 ... 3 x the average, then the worst case); after
       `buffer_shrink_after` steps in a row that fit a smaller rung it moves down to the smallest
-      one that holds all their peaks.
+      one that holds all their peaks. None: the transport's pace (moe/ladder.py: 20 steps, and
+      never for `push`, which keeps one receive buffer per run); a number shrinks any transport.
     overlap_chunks: pft/rbd split the block's tokens into this many chunks, each dispatched on
       its own, so one chunk's exchange can run while another's experts compute.
     overlap: how pft/rbd order the block so its all-to-alls can run under GEMMs (moe/overlap.py,
@@ -73,7 +72,7 @@ class ParallelConfig:
     transport: Transport = "auto"
     recv_buffer_factor: float | None = None
     adaptive_buffers: bool = True
-    buffer_shrink_after: int = 20
+    buffer_shrink_after: int | None = None
     overlap_chunks: int = 1
     overlap: Overlap = "none"
     xla_scheduler: XlaScheduler = "default"
@@ -94,7 +93,8 @@ class ParallelConfig:
                 f"{p}recv_buffer_factor={self.recv_buffer_factor} must be > 0 (or null for the worst case)",
             )
         _check(
-            self.buffer_shrink_after >= 1, f"{p}buffer_shrink_after={self.buffer_shrink_after} must be >= 1"
+            self.buffer_shrink_after is None or self.buffer_shrink_after >= 1,
+            f"{p}buffer_shrink_after={self.buffer_shrink_after} must be >= 1 (or null for the transport's pace)",
         )
         _check(self.overlap_chunks >= 1, f"{p}overlap_chunks={self.overlap_chunks} must be >= 1")
         if self.overlap != "none":

@@ -13,13 +13,14 @@ many copies did not fit. The rules:
   1. grow: a step with copies that did not fit moves to the smallest rung that holds its
      peak with `GROW_HEADROOM` to spare (so the next step's peak, a little higher, still
      fits), at least one rung up;
-  2. shrink: after `buffer_shrink_after` steps in a row (20 by default) whose peaks all fit a
+  2. shrink: after `buffer_shrink_after` steps in a row (`SHRINK_AFTER` by default) whose peaks all fit a
      smaller rung with `SHRINK_MARGIN` to spare, move straight to the smallest rung that
      holds the largest peak of those steps with that margin: one recompilation, not one per
      rung, and a transient spike costs tens of steps at a bigger size, not the rest of the run.
   3. every change is logged (step, old and new factor, why) and counted.
 A transport whose record says its buffers do not shrink (`push`: one receive buffer per run,
-moe/transports.py) only grows, rarely: in steady state it never recompiles.
+moe/transports.py) only grows, rarely: in steady state it never recompiles. A pace the user names
+(`parallel.buffer_shrink_after`) shrinks it too.
 
 Bookkeeping on the host (no arrays): the trainer, the placement resolver and the benchmarks use it.
 """
@@ -37,6 +38,7 @@ log = logging.getLogger("xmoe_jax")
 
 RUNGS: tuple[float | None, ...] = (1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, None)
 DEFAULT_START = 1.2
+SHRINK_AFTER = 20  # quiet steps before a shrink, where parallel.buffer_shrink_after is null
 GROW_HEADROOM = 1.05  # a grown buffer holds the overflowing peak x this
 SHRINK_MARGIN = 0.95  # a rung is shrunk to when the quiet steps' peaks fit it x this
 
@@ -80,9 +82,11 @@ class BufferLadder:
         start = parallel.recv_buffer_factor if parallel.recv_buffer_factor is not None else DEFAULT_START
         self.index = _rung_index(start) if active else -1
         self.base = parallel
-        # a transport that keeps one buffer per run only grows (`auto` as the table settles it)
+        # the user's pace, else the transport's: one that keeps one buffer per run only grows (`auto` as
+        # the table settles it)
         shrinks = transports.choose(parallel.transport).buffers_shrink
-        self.shrink_after = parallel.buffer_shrink_after if shrinks else None
+        pace = parallel.buffer_shrink_after
+        self.shrink_after = pace if pace is not None else (SHRINK_AFTER if shrinks else None)
         self.quiet = 0  # steps in a row whose peak fits a smaller rung
         self.quiet_peak = 0.0  # the largest peak of those steps
         self.changes = 0
