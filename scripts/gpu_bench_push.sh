@@ -16,6 +16,9 @@
 # Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
 # EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
 # logged every 10 (the windows show what buffer changes and their recompiles cost).
+# Parts `depth_shrink`, `depth_tgmm` (each about 5 minutes): push at depth as `depth_push`, with one lever each:
+# buffers that shrink after 20 quiet steps (parallel.buffer_shrink_after=20), or tgmm reading its indexed rows
+# in its kernel (XMOE_TGMM_GATHER=kernel) instead of XLA gathering the whole receive buffer first.
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
 # its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's
@@ -73,6 +76,14 @@ for part in ${PARTS:-exchange scaling}; do
       TF_GPU_ALLOCATOR=cuda_malloc_async ep_step mem_push_async 200 "$N" 4 configs/small.yaml \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         --set parallel.transport=push ;;
+    depth_shrink | depth_tgmm)  # push at depth with one lever: buffers that shrink, or tgmm's in-kernel gather
+      lever="--set parallel.buffer_shrink_after=20"
+      [ "$part" = depth_tgmm ] && lever="" && export XMOE_TGMM_GATHER=kernel
+      # shellcheck disable=SC2086  # lever is a list of --set overrides
+      ep_step "push_$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
+        --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
+        --set parallel.transport=push $lever
+      unset XMOE_TGMM_GATHER ;;
     depth_*)
       ep_step "$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \

@@ -518,6 +518,18 @@ def indexed_tgmm_fns(impl):
     return jax.jit(ours), jax.jit(ref), grads(ours), grads(ref)
 
 
+def test_the_tgmm_gather_override_names_one_way_or_is_refused(monkeypatch):
+    """XMOE_TGMM_GATHER (scripts/gpu_bench_push.sh part depth_tgmm) overrides the measured table."""
+    monkeypatch.setitem(defaults.TGMM_GATHER_IN_KERNEL, "cpu", True)
+    monkeypatch.setenv("XMOE_TGMM_GATHER", "xla")
+    assert not defaults.tgmm_gathers_in_kernel()
+    monkeypatch.setenv("XMOE_TGMM_GATHER", "kernel")
+    assert defaults.tgmm_gathers_in_kernel()
+    monkeypatch.setenv("XMOE_TGMM_GATHER", "fast")
+    with pytest.raises(ValueError, match="use kernel or xla"):
+        defaults.tgmm_gathers_in_kernel()
+
+
 @pytest.mark.parametrize("impl", BACKENDS)
 @pytest.mark.parametrize("in_kernel", [True, False], ids=["gather-in-kernel", "xla-gathers-first"])
 def test_indexed_tgmm_and_its_gradients_match_reference(impl, in_kernel, monkeypatch):

@@ -113,5 +113,12 @@ def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[in
 
 
 def tgmm_gathers_in_kernel() -> bool:
-    """Whether tgmm reads indexed rows inside its kernel (else XLA gathers them first: see above)."""
+    """Whether tgmm reads indexed rows inside its kernel (else XLA gathers them first: see above).
+    XMOE_TGMM_GATHER=kernel or =xla overrides the table, for measuring the other one (the XLA gather
+    grows with the receive buffer: benchmarks/exchange.md; scripts/gpu_bench_push.sh part depth_tgmm)."""
+    forced = os.environ.get("XMOE_TGMM_GATHER")
+    if forced not in (None, "", "kernel", "xla"):
+        raise ValueError(f"XMOE_TGMM_GATHER={forced!r}: use kernel or xla (or unset it for the measured default)")
+    if forced:
+        return forced == "kernel"
     return TGMM_GATHER_IN_KERNEL.get(platform(), True)
