@@ -76,18 +76,17 @@ for part in ${PARTS:-exchange scaling}; do
       TF_GPU_ALLOCATOR=cuda_malloc_async ep_step mem_push_async 200 "$N" 4 configs/small.yaml \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         --set parallel.transport=push ;;
-    depth_shrink | depth_tgmm)  # push at depth with one lever: buffers that shrink, or tgmm's in-kernel gather
-      lever="--set parallel.buffer_shrink_after=20"
-      [ "$part" = depth_tgmm ] && lever="" && export XMOE_TGMM_GATHER=kernel
+    depth_*)  # depth_<transport>, or push with one lever: depth_shrink, depth_tgmm (header)
+      name=$part transport=${part#depth_} lever=""
+      case $part in
+        depth_shrink) name=push_$part transport=push lever="--set parallel.buffer_shrink_after=20" ;;
+        depth_tgmm) name=push_$part transport=push && export XMOE_TGMM_GATHER=kernel ;;
+      esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
-      ep_step "push_$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
+      ep_step "$name" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
-        --set parallel.transport=push $lever
+        --set parallel.transport="$transport" $lever
       unset XMOE_TGMM_GATHER ;;
-    depth_*)
-      ep_step "$part" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
-        --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
-        --set parallel.transport="${part#depth_}" ;;
   esac
 done
 summary
