@@ -74,7 +74,12 @@ DRY_RUNS = [
     ("bench_peers.sh", [], {"PEERS_ROWS": "xmoe_none xmoe_full xmoe_ep4", "PEERS_BUDGET": "20000"}, {}),
     ("gpu_bench_push.sh", [], {"ROWS": "64", "QUICK_ROWS": "64", "CHECK_ROWS": "16", "PUSH": "4,4x3"}, {"ex_torch": TORCH}),
     ("gpu_bench_push.sh", ["overlap depth_mem"], {"PARTS": "overlap depth_mem", "ROWS": "64"}, {}),
-    ("gpu_bench_push.sh", ["depth_shrink depth_tgmm"], {"PARTS": "depth_shrink depth_tgmm", "DEPTH_STEPS": "2"}, {}),
+    (
+        "gpu_bench_push.sh",
+        ["depth_shrink depth_tgmm depth_unfused"],
+        {"PARTS": "depth_shrink depth_tgmm depth_unfused", "DEPTH_STEPS": "2"},
+        {},
+    ),
     ("gpu_bench_fused.sh", [], {"GATHER_ARGS": "--tiny", "PEERS_ROWS": "xmoe_none"}, {}),
     ("gpu_bench_fused.sh", ["depth"], {"PART": "depth", "DEPTH_TRANSPORT": "bucketed"}, {}),
 ]  # fmt: skip

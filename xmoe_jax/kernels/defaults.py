@@ -100,13 +100,17 @@ def fp8_weights_kmajor() -> bool:
 
 
 def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[int | None, int | None]:
-    """(num_warps, num_stages), with stages cut until the pipelined tiles fit in shared memory."""
-    num_warps, num_stages = LAUNCH.get((implementation, platform()), {}).get(op, (None, None))
+    """(num_warps, num_stages), with stages cut until the pipelined tiles fit in shared memory.
+    Ops "gmm_act" / "tgmm_act" (gmm/fused.py) take gmm's / tgmm's parameters and load two lhs tiles
+    (gate and up) per step."""
+    base = op.removesuffix("_act")
+    num_warps, num_stages = LAUNCH.get((implementation, platform()), {}).get(base, (None, None))
     limit = SHARED_MEMORY_BYTES.get(platform())
     if num_stages is None or limit is None:
         return num_warps, num_stages
     bm, bk, bn = tile
-    per_stage = (bm * bk + (bm * bn if op == "tgmm" else bk * bn)) * itemsize
+    lhs_tiles = 2 if op != base else 1
+    per_stage = (lhs_tiles * bm * bk + (bm * bn if base == "tgmm" else bk * bn)) * itemsize
     while num_stages > 1 and num_stages * per_stage > limit:
         num_stages -= 1
     return num_warps, num_stages
@@ -122,3 +126,13 @@ def tgmm_gathers_in_kernel() -> bool:
     if forced:
         return forced == "kernel"
     return TGMM_GATHER_IN_KERNEL.get(platform(), True)
+
+
+def activation_in_kernel() -> bool:
+    """Whether the expert activation runs inside the Pallas GEMMs (gmm/fused.py; the default) or as XLA
+    element-wise ops beside them. XMOE_FUSED_ACT=xla picks the second, for measuring one against the
+    other (scripts/gpu_bench_push.sh part depth_unfused)."""
+    forced = os.environ.get("XMOE_FUSED_ACT")
+    if forced not in (None, "", "kernel", "xla"):
+        raise ValueError(f"XMOE_FUSED_ACT={forced!r}: use kernel or xla (or unset it for the default, kernel)")
+    return forced != "xla"

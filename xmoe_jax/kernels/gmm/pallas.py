@@ -22,6 +22,11 @@ gmm:  schedule.py's grid (one program per (work item, N tile), N tiles fastest s
 tgmm: grid = E * cdiv(K, bk) * cdiv(N, bn). Program (e, p, q) walks group e's rows in chunks
       of bm and accumulates lhs[chunk, p].T @ grad[chunk, q] (each loaded through its index
       when gathered); empty groups store zeros.
+Fused activation (gmm/fused.py): with `lhs_activation` the lhs is the experts' concatenated hidden
+      [R, n*F] and each K step loads its gate and up tiles and applies the activation before the dot
+      (a prologue: no [R, F] activation array exists); with `act_grad=(activation, hidden)` the
+      K loop's [bm, bn] result is d act and the store (an epilogue) writes d gate and d up of that
+      hidden's rows into an [R, n*F] output. tgmm's `lhs_activation` reads its lhs chunks the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xmoe_jax.kernels.gmm import schedule
+from xmoe_jax.kernels.gmm.activation import act_f32, act_grad_f32, num_matrices
 from xmoe_jax.kernels.gmm.metadata import group_bounds
 
 _NN = (((1,), (0,)), ((), ()))  # x[m,k] @ w[k,n]
@@ -52,14 +58,35 @@ def _dot(x, w, dims):
     return lax.dot_general(x, w, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _gmm_body(tile, operand_refs, *, k_dim, n_dim, bm, bk, bn, transpose_rhs):
+def _plain_lhs(lhs_ref, tile, k0, *, bk, bm, k_dim):
+    return schedule.load_rows(lhs_ref, tile, k0, bk, bm, limit=k_dim)
+
+
+def _act_tile(load, k0, k_dim, activation, dtype):
+    """act(hidden) at columns k0.. of F = k_dim, from `load(c0, limit)`: gate at k0, up at (n-1)F + k0."""
+    n = num_matrices(activation)
+    up = load(c0=(n - 1) * k_dim + k0, limit=n * k_dim)
+    gate = load(c0=k0, limit=k_dim) if n == 2 else None
+    return act_f32(gate, up, activation).astype(dtype)
+
+
+def _act_lhs(hidden_ref, tile, k0, *, bk, bm, k_dim, activation):
+    """act(hidden) at the tile's lhs rows (the gmm prologue)."""
+
+    def load(c0, limit):
+        return schedule.load_rows(hidden_ref, tile, c0, bk, bm, limit=limit)
+
+    return _act_tile(load, k0, k_dim, activation, hidden_ref.dtype)
+
+
+def _gmm_body(tile, operand_refs, *, k_dim, n_dim, bm, bk, bn, transpose_rhs, load_lhs):
     """The bf16/f32 K loop of one GEMM program (schedule.py owns the rows, columns and store)."""
-    lhs_ref, rhs_ref = operand_refs
+    lhs_ref, rhs_ref = operand_refs[:2]
 
     def step(kt, acc):
         k0 = pl.multiple_of(kt * bk, bk)
         k_ok = (k0 + jnp.arange(bk)) < k_dim
-        x = schedule.load_rows(lhs_ref, tile, k0, bk, bm, limit=k_dim)
+        x = load_lhs(lhs_ref, tile, k0, bk=bk, bm=bm, k_dim=k_dim)
         if transpose_rhs:
             w = plgpu.load(
                 rhs_ref.at[pl.ds(tile.w_group * n_dim + tile.col0, bn), pl.ds(k0, bk)],
@@ -77,6 +104,22 @@ def _gmm_body(tile, operand_refs, *, k_dim, n_dim, bm, bk, bn, transpose_rhs):
     return lax.fori_loop(0, tile.num_k, step, jnp.zeros((bm, bn), jnp.float32))
 
 
+def _store_act_grad(out_ref, tile, acc, operand_refs, *, bm, bn, f_dim, activation):
+    """The epilogue of d hidden = act'(hidden) * d act: the tile's grouped rows of hidden (the last
+    operand) at columns col0.. of gate and up, and d gate / d up stored at the same columns."""
+    hidden_ref = operand_refs[-1]
+    n = num_matrices(activation)
+    rows = pl.ds(tile.row0, bm)
+    mask = tile.row_ok[:, None] & tile.col_ok[None, :]
+    up_cols = pl.ds((n - 1) * f_dim + tile.col0, bn)
+    up = plgpu.load(hidden_ref.at[rows, up_cols], mask=mask, other=0)
+    gate = plgpu.load(hidden_ref.at[rows, pl.ds(tile.col0, bn)], mask=mask, other=0) if n == 2 else None
+    d_gate, d_up = act_grad_f32(gate, up, acc, activation)
+    plgpu.store(out_ref.at[rows, up_cols], d_up.astype(out_ref.dtype), mask=mask)
+    if d_gate is not None:
+        plgpu.store(out_ref.at[rows, pl.ds(tile.col0, bn)], d_gate.astype(out_ref.dtype), mask=mask)
+
+
 def gmm_pallas(
     lhs_LK,
     rhs_EKN,
@@ -89,34 +132,49 @@ def gmm_pallas(
     out_rows_R=None,
     num_out_rows: int | None = None,
     zero_unwritten: bool = False,
+    lhs_activation: str | None = None,
+    act_grad: tuple | None = None,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
-    """[O, N] grouped product (api.py's gmm); rhs is [E, K, N] ([E, N, K] with transpose_rhs)."""
+    """[O, N] grouped product (api.py's gmm); rhs is [E, K, N] ([E, N, K] with transpose_rhs).
+
+    `lhs_activation`: lhs is a concatenated hidden [L, n*K], read as act(hidden) (the module
+    docstring). `act_grad=(activation, hidden_RH)`: the output is [R, n*N], d hidden of the grouped
+    rows (no scattered output)."""
     bm, bk, bn = tile
-    num_lhs_rows, k_dim = lhs_LK.shape
+    num_lhs_rows = lhs_LK.shape[0]
+    k_dim = rhs_EKN.shape[2] if transpose_rhs else rhs_EKN.shape[1]
     num_groups = rhs_EKN.shape[0]
     n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
     rows, lead = schedule.plan(
         group_sizes_E, num_lhs_rows, bm, lhs_rows_R, out_rows_R, num_out_rows, zero_unwritten
     )
+    load_lhs = _plain_lhs
+    if lhs_activation is not None:
+        load_lhs = functools.partial(_act_lhs, activation=lhs_activation)
     body = functools.partial(
-        _gmm_body, k_dim=k_dim, n_dim=n_dim, bm=bm, bk=bk, bn=bn, transpose_rhs=transpose_rhs
-    )
+        _gmm_body, k_dim=k_dim, n_dim=n_dim, bm=bm, bk=bk, bn=bn, transpose_rhs=transpose_rhs, load_lhs=load_lhs,
+    )  # fmt: skip
+    store, extra, out_cols = None, (), n_dim
+    if act_grad is not None:
+        activation, hidden_RH = act_grad
+        store = functools.partial(_store_act_grad, bm=bm, bn=bn, f_dim=n_dim, activation=activation)
+        extra, out_cols = (hidden_RH,), hidden_RH.shape[1]
     kernel = functools.partial(
         schedule.run_gmm, body=body, rows=rows, num_groups=num_groups, k_dim=k_dim, n_dim=n_dim, bm=bm, bk=bk,
-        bn=bn, interpret=interpret,
+        bn=bn, interpret=interpret, store=store,
     )  # fmt: skip
     rhs_2d = rhs_EKN.reshape(-1, rhs_EKN.shape[2])
     return pl.pallas_call(
         lambda *refs: kernel(refs),
-        out_shape=jax.ShapeDtypeStruct((rows.num_out_rows, n_dim), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((rows.num_out_rows, out_cols), out_dtype),
         grid=(schedule.num_programs(lead[0].shape[0], rows, n_dim, bm, bn),),
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
-        name="xmoe_gmm",
-    )(*lead, lhs_LK, rhs_2d)
+        name="xmoe_gmm" if lhs_activation is None and act_grad is None else "xmoe_gmm_act",
+    )(*lead, lhs_LK, rhs_2d, *extra)
 
 
 def _load_chunk(ref, rows_ref, row0, row_ok, c0, width, limit, num_ref_rows, bm):
@@ -131,7 +189,9 @@ def _load_chunk(ref, rows_ref, row0, row_ok, c0, width, limit, num_ref_rows, bm)
     return plgpu.load(view, mask=ok[:, None] & (cols < limit)[None, :], other=0)
 
 
-def _tgmm_kernel(*refs, gather_lhs, gather_grad, num_lhs_rows, num_grad_rows, k_dim, n_dim, bm, bk, bn):
+def _tgmm_kernel(
+    *refs, gather_lhs, gather_grad, num_lhs_rows, num_grad_rows, k_dim, n_dim, bm, bk, bn, activation
+):
     group_start_ref, group_end_ref, *rest = refs
     lhs_rows_ref = rest.pop(0) if gather_lhs else None
     grad_rows_ref = rest.pop(0) if gather_grad else None
@@ -148,7 +208,13 @@ def _tgmm_kernel(*refs, gather_lhs, gather_grad, num_lhs_rows, num_grad_rows, k_
     def body(i, acc):
         row0 = start + i * bm
         row_ok = (row0 + jnp.arange(bm)) < end
-        x = _load_chunk(lhs_ref, lhs_rows_ref, row0, row_ok, k0, bk, k_dim, num_lhs_rows, bm)
+        if activation is None:
+            x = _load_chunk(lhs_ref, lhs_rows_ref, row0, row_ok, k0, bk, k_dim, num_lhs_rows, bm)
+        else:  # lhs is the concatenated hidden: act(gate, up) of the chunk (the module docstring)
+            load = functools.partial(
+                _load_chunk, lhs_ref, lhs_rows_ref, row0, row_ok, width=bk, num_ref_rows=num_lhs_rows, bm=bm
+            )
+            x = _act_tile(load, k0, k_dim, activation, lhs_ref.dtype)
         g = _load_chunk(grad_ref, grad_rows_ref, row0, row_ok, col0, bn, n_dim, num_grad_rows, bm)
         return acc + _dot(x, g, _TN)
 
@@ -169,13 +235,17 @@ def tgmm_pallas(
     tile,
     lhs_rows_R=None,
     grad_rows_R=None,
+    lhs_activation: str | None = None,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
-    """[E, K, N]: per group lhs[rows].T @ grad[rows] (api.py's tgmm; rows through the indices)."""
+    """[E, K, N]: per group lhs[rows].T @ grad[rows] (api.py's tgmm; rows through the indices).
+    `lhs_activation`: lhs is a concatenated hidden [L, n*K], read as act(hidden)."""
     bm, bk, bn = tile
     k_dim, n_dim = lhs_LK.shape[1], grad_GN.shape[1]
+    if lhs_activation is not None:
+        k_dim //= num_matrices(lhs_activation)
     num_rows = next((a.shape[0] for a in (lhs_rows_R, grad_rows_R) if a is not None), lhs_LK.shape[0])
     num_groups = group_sizes_E.shape[0]
     starts_E, ends_E = group_bounds(group_sizes_E, num_rows)
@@ -183,7 +253,7 @@ def tgmm_pallas(
     kernel = functools.partial(
         _tgmm_kernel, gather_lhs=lhs_rows_R is not None, gather_grad=grad_rows_R is not None,
         num_lhs_rows=lhs_LK.shape[0], num_grad_rows=grad_GN.shape[0], k_dim=k_dim, n_dim=n_dim, bm=bm, bk=bk,
-        bn=bn,
+        bn=bn, activation=lhs_activation,
     )  # fmt: skip
     index = tuple(a for a in (lhs_rows_R, grad_rows_R) if a is not None)
     out = pl.pallas_call(
@@ -192,6 +262,6 @@ def tgmm_pallas(
         grid=(num_programs,),
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
-        name="xmoe_tgmm",
+        name="xmoe_tgmm" if lhs_activation is None else "xmoe_tgmm_act",
     )(starts_E, ends_E, *index, lhs_LK, grad_GN)
     return out.reshape(num_groups, k_dim, n_dim)

@@ -156,9 +156,10 @@ def fill_program(written_ref, out_ref, q, *, rows: Rows, n_dim, bm, bn) -> None:
     )
 
 
-def run_gmm(refs, body, *, rows: Rows, num_groups, k_dim, n_dim, bm, bk, bn, interpret) -> None:
+def run_gmm(refs, body, *, rows: Rows, num_groups, k_dim, n_dim, bm, bk, bn, interpret, store=None) -> None:
     """One program of the grid: a GEMM program runs `body(tile, operand_refs) -> [bm, bn] float32`
-    and stores it; a fill program zeros unwritten rows. `refs` are the kernel's refs as passed."""
+    and stores it (`store_rows`, or `store(out_ref, tile, acc, operand_refs)`: an epilogue); a fill
+    program zeros unwritten rows. `refs` are the kernel's refs as passed."""
     meta, lhs_rows_ref, out_rows_ref, written_ref, rest = split_refs(refs, rows)
     *operand_refs, out_ref = rest
     n_tiles = pl.cdiv(n_dim, bn)
@@ -170,7 +171,11 @@ def run_gmm(refs, body, *, rows: Rows, num_groups, k_dim, n_dim, bm, bk, bn, int
             meta, lhs_rows_ref, out_rows_ref, pid // n_tiles, pid % n_tiles, rows=rows, num_groups=num_groups,
             n_dim=n_dim, bm=bm, bk=bk, k_dim=k_dim, bn=bn, interpret=interpret,
         )  # fmt: skip
-        store_rows(out_ref, tile, body(tile, operand_refs), bm, bn)
+        acc = body(tile, operand_refs)
+        if store is None:
+            store_rows(out_ref, tile, acc, bm, bn)
+        else:
+            store(out_ref, tile, acc, operand_refs)
 
     if not rows.fill:
         gemm()
