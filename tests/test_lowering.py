@@ -113,10 +113,16 @@ def test_exported_module_holds_the_kernel_calls(exported):
         assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
     if NUM_DEVICES[platform] == 1:
         assert not calls["xmoe_scatter_rows"], f"{platform}: a permute copy of the tokens is left: {calls}"
-    # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: the down
-    # projection's input gradient and the up projections' one (gate and up concatenated along F),
-    # and 2 weight-gradient tgmms (down; gate and up concatenated)
-    assert calls["xmoe_gmm"] == 5 and calls["xmoe_tgmm"] == 2, calls
+    # forward: the up-projection (gate and up concatenated along F) and the down-projection, which
+    # applies the activation as it loads (xmoe_gmm_act, kernels/gmm/fused.py); backward: the up
+    # projection's input gradient and the down projection's, and a weight-gradient tgmm each.
+    # After an exchange (2 devices) the down side's gradients fuse the activation too: its input
+    # gradient stores d hidden through the activation's gradient, its tgmm loads act(hidden). On one
+    # device the combine's weight gradient needs the activation itself, so they stay plain kernels.
+    fused = {"xmoe_gmm": 2, "xmoe_gmm_act": 2, "xmoe_tgmm": 1, "xmoe_tgmm_act": 1}
+    one_device_calls = {"xmoe_gmm": 3, "xmoe_gmm_act": 1, "xmoe_tgmm": 2, "xmoe_tgmm_act": 0}
+    want = one_device_calls if NUM_DEVICES[platform] == 1 else fused
+    assert {name: calls[name] for name in want} == want, calls
     if platform == "rocm":
         assert PALLAS_ATTENTION <= set(calls), calls
         assert not set(CUDNN_ATTENTION_CALLS) & set(calls), calls
