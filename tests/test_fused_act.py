@@ -8,8 +8,6 @@ valid output or gradient, so these tests fail if the fused loads touch a padding
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 
 from xmoe_jax.kernels.gmm import activation as act_mod
 from xmoe_jax.kernels.gmm.fused import gmm_act, gmm_act_grad, tgmm_act
+from xmoe_jax.kernels.platform import platform
 
 R, F, D, E, O_ROWS = (
     44,
@@ -53,7 +52,6 @@ def _split64(hidden, activation):
     return (h[:, :F], h[:, F:]) if activation == "swiglu" else (None, h)
 
 
-@functools.cache
 def _fns(impl, activation):
     def fwd(h, w, gs, dst):
         return gmm_act(
@@ -77,8 +75,11 @@ def _rel(got, want):
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_fused_activation_gemms_match_float64(impl, activation):
+def test_fused_activation_gemms_match_float64(impl, activation, monkeypatch):
+    monkeypatch.setenv("XMOE_FUSED_ACT", "kernel")  # every op fused where the backend is Pallas
     fwd, dgrad, wgrad = _fns(impl, activation)
+    # XLA's float32 dots on a GPU round through TF32; the kernels' are full float32 (HIGHEST)
+    tol = 1e-5 if impl == "pallas" or platform() == "cpu" else 3e-3
     for seed, sizes in enumerate(SIZES):
         hidden, w, dst, dy, group, s = _case(seed, sizes, activation)
         gs = jnp.asarray(sizes, jnp.int32)
@@ -88,7 +89,7 @@ def test_fused_activation_gemms_match_float64(impl, activation):
 
         out = np.asarray(fwd(hidden, w, gs, dst), np.float64)[dst[:s]]
         want = np.einsum("rf,rfd->rd", act, w64[group])
-        assert s == 0 or _rel(out, want) < 1e-5, (seed, "forward")
+        assert s == 0 or _rel(out, want) < tol, (seed, "forward")
 
         d_act = np.einsum("rd,rfd->rf", dy64[dst[:s]], w64[group])
         if activation == "swiglu":
@@ -99,12 +100,12 @@ def test_fused_activation_gemms_match_float64(impl, activation):
             slope = 0.5 * (1 + t) + 0.5 * up * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * up**2)
             want_dh = d_act * slope
         dh = np.asarray(dgrad(dy, w, gs, hidden, dst), np.float64)[:s]
-        assert s == 0 or _rel(dh, want_dh) < 1e-5, (seed, "d hidden")
+        assert s == 0 or _rel(dh, want_dh) < tol, (seed, "d hidden")
 
         dw = np.asarray(wgrad(hidden, dy, gs, dst), np.float64)
         want_dw = np.zeros((E, F, D))
         np.add.at(want_dw, group, np.einsum("rf,rd->rfd", act, dy64[dst[:s]]))
-        assert np.all(np.isfinite(dw)) and np.linalg.norm(dw - want_dw) <= 1e-5 * max(
+        assert np.all(np.isfinite(dw)) and np.linalg.norm(dw - want_dw) <= tol * max(
             np.linalg.norm(want_dw), 1
         )
 
@@ -133,14 +134,14 @@ def test_fused_argument_errors_name_the_shapes():
         gmm_act_grad(jnp.ones((6, 3)), w, gs, jnp.ones((8, 8)), "swiglu")
 
 
-def test_the_fused_activation_override_names_one_way_or_is_refused(monkeypatch):
-    """XMOE_FUSED_ACT=xla (scripts/gpu_bench_push.sh part depth_unfused) runs the XLA reference."""
+def test_the_fused_activation_modes_name_the_ops_or_are_refused(monkeypatch):
+    """XMOE_FUSED_ACT (scripts/gpu_bench_push.sh parts depth_fused, depth_unfused) overrides the default."""
     from xmoe_jax.kernels import defaults
 
-    monkeypatch.setenv("XMOE_FUSED_ACT", "xla")
-    assert not defaults.activation_in_kernel()
-    monkeypatch.setenv("XMOE_FUSED_ACT", "kernel")
-    assert defaults.activation_in_kernel()
+    ops = ("gmm_act", "gmm_act_grad", "tgmm_act")
+    for mode, fused in (("kernel", ops), ("grad", ("gmm_act_grad",)), ("xla", ())):
+        monkeypatch.setenv("XMOE_FUSED_ACT", mode)
+        assert tuple(op for op in ops if defaults.activation_in_kernel(op)) == fused, mode
     monkeypatch.setenv("XMOE_FUSED_ACT", "fast")
-    with pytest.raises(ValueError, match="use kernel or xla"):
-        defaults.activation_in_kernel()
+    with pytest.raises(ValueError, match="use one of"):
+        defaults.activation_in_kernel("gmm_act")

@@ -122,17 +122,35 @@ def tgmm_gathers_in_kernel() -> bool:
     grows with the receive buffer: benchmarks/exchange.md; scripts/gpu_bench_push.sh part depth_tgmm)."""
     forced = os.environ.get("XMOE_TGMM_GATHER")
     if forced not in (None, "", "kernel", "xla"):
-        raise ValueError(f"XMOE_TGMM_GATHER={forced!r}: use kernel or xla (or unset it for the measured default)")
+        raise ValueError(
+            f"XMOE_TGMM_GATHER={forced!r}: use kernel or xla (or unset it for the measured default)"
+        )
     if forced:
         return forced == "kernel"
     return TGMM_GATHER_IN_KERNEL.get(platform(), True)
 
 
-def activation_in_kernel() -> bool:
-    """Whether the expert activation runs inside the Pallas GEMMs (gmm/fused.py; the default) or as XLA
-    element-wise ops beside them. XMOE_FUSED_ACT=xla picks the second, for measuring one against the
-    other (scripts/gpu_bench_push.sh part depth_unfused)."""
-    forced = os.environ.get("XMOE_FUSED_ACT")
-    if forced not in (None, "", "kernel", "xla"):
-        raise ValueError(f"XMOE_FUSED_ACT={forced!r}: use kernel or xla (or unset it for the default, kernel)")
-    return forced != "xla"
+# Which of gmm/fused.py's ops run the activation inside the Pallas GEMM, per XMOE_FUSED_ACT mode.
+# One H200, Small x 4 layers on one GPU (benchmarks/fused.md, 2026-11-28): the down-projection with
+# the activation in its load ran the step 4-5% slower than XLA's element-wise activation beside the
+# plain kernel (each of the D / block_n column tiles recomputes the activation of its rows, and the
+# lhs tiles are loaded twice); so "grad", the epilogue alone (no recomputation), is the default.
+FUSED_ACTIVATION = {
+    "kernel": frozenset({"gmm_act", "gmm_act_grad", "tgmm_act"}),
+    "grad": frozenset({"gmm_act_grad"}),
+    "xla": frozenset(),
+}
+FUSED_ACTIVATION_DEFAULT = "grad"
+
+
+def activation_in_kernel(op: str) -> bool:
+    """Whether gmm/fused.py's `op` runs the activation inside its Pallas GEMM or as XLA element-wise
+    ops beside a plain one. XMOE_FUSED_ACT=kernel|grad|xla overrides the default mode, for measuring
+    one against another (scripts/gpu_bench_push.sh parts depth_fused, depth_unfused)."""
+    mode = os.environ.get("XMOE_FUSED_ACT") or FUSED_ACTIVATION_DEFAULT
+    if mode not in FUSED_ACTIVATION:
+        raise ValueError(
+            f"XMOE_FUSED_ACT={mode!r}: use one of {tuple(FUSED_ACTIVATION)} (or unset it for the default, "
+            f"{FUSED_ACTIVATION_DEFAULT})"
+        )
+    return op in FUSED_ACTIVATION[mode]

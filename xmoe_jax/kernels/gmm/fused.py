@@ -16,8 +16,9 @@ On the Pallas backend these are gmm/pallas.py's kernels with the activation in t
 prologue) or in the store (an epilogue); rows r >= S are neither read, computed nor stored, so the
 work follows the routed rows, not the receive buffer's size. Every other backend runs the XLA
 reference: the activation (or its gradient) as an element-wise XLA op over [R, F], beside the
-plain grouped GEMM of that backend (so does Pallas under XMOE_FUSED_ACT=xla: defaults.py). Both
-compute the activation in float32 with the same expressions (activation.py). Rows past S of dh and unwritten output rows are unspecified (the
+plain grouped GEMM of that backend; so does Pallas for the ops that defaults.FUSED_ACTIVATION does
+not fuse (by default only gmm_act_grad fuses: measured there; XMOE_FUSED_ACT picks another mode).
+Both compute the activation in float32 with the same expressions (activation.py). Rows past S of dh and unwritten output rows are unspecified (the
 kernels leave memory as it was; the reference gives zeros), as in api.py.
 
 Not differentiable: they are the pieces of the experts' own custom VJP (moe/experts.py), which
@@ -47,9 +48,10 @@ def _check_hidden(hidden_RH, f_dim: int, activation: str, num_rows: int | None =
         raise ValueError(f"hidden has {hidden_RH.shape[0]} rows, the grouped rows are {num_rows}")
 
 
-def _pallas(implementation, op, arrays, k_dim, n_dim, tile, indexed):
-    """The Pallas backend when the choice for this call lands on it (else None: the XLA reference)."""
-    if not defaults.activation_in_kernel():
+def _pallas(fused_op, implementation, op, arrays, k_dim, n_dim, tile, indexed):
+    """The Pallas backend when `fused_op` fuses on this machine (defaults.activation_in_kernel) and the
+    choice for this call lands on Pallas; else None: the XLA reference."""
+    if not defaults.activation_in_kernel(fused_op):
         return None
     call = backends.Call(op, arrays, k_dim, n_dim, tile, indexed=indexed)
     backend = backends.choose_backend(implementation, call)
@@ -67,7 +69,14 @@ def gmm_act(
     num_out = hidden_RH.shape[0] if out_rows_R is None else int(num_out_rows)
     out_ON = jax.ShapeDtypeStruct((num_out, n_dim), hidden_RH.dtype)
     backend = _pallas(
-        implementation, "gmm", (hidden_RH, w_EFN, out_ON), f_dim, n_dim, tile, out_rows_R is not None
+        "gmm_act",
+        implementation,
+        "gmm",
+        (hidden_RH, w_EFN, out_ON),
+        f_dim,
+        n_dim,
+        tile,
+        out_rows_R is not None,
     )
     if backend is None:
         return gmm(
@@ -99,7 +108,9 @@ def gmm_act_grad(
     num_rows = dy_LK.shape[0] if lhs_rows_R is None else lhs_rows_R.shape[0]
     _check_hidden(hidden_RH, f_dim, activation, num_rows)
     dy_LK, w_ENK, hidden_RH = match_vma(dy_LK, w_ENK, hidden_RH)
-    backend = _pallas(implementation, "gmm", (dy_LK, w_ENK, hidden_RH), dy_LK.shape[1], f_dim, tile, True)
+    backend = _pallas(
+        "gmm_act_grad", implementation, "gmm", (dy_LK, w_ENK, hidden_RH), dy_LK.shape[1], f_dim, tile, True
+    )
     if backend is None:
         d_act_RF = gmm(
             dy_LK, w_ENK, group_sizes_E, transpose_rhs=True, lhs_rows_R=lhs_rows_R, implementation=implementation,
@@ -124,7 +135,14 @@ def tgmm_act(
     n_dim = dy_GN.shape[1]
     out_EFN = jax.ShapeDtypeStruct((group_sizes_E.shape[0], f_dim, n_dim), dy_GN.dtype)
     backend = _pallas(
-        implementation, "tgmm", (hidden_RH, dy_GN, out_EFN), f_dim, n_dim, tile, grad_rows_R is not None
+        "tgmm_act",
+        implementation,
+        "tgmm",
+        (hidden_RH, dy_GN, out_EFN),
+        f_dim,
+        n_dim,
+        tile,
+        grad_rows_R is not None,
     )
     if backend is None:
         return tgmm(act_rows(hidden_RH, activation), dy_GN, group_sizes_E, grad_rows_R=grad_rows_R,
