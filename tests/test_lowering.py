@@ -113,15 +113,12 @@ def test_exported_module_holds_the_kernel_calls(exported):
         assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
     if NUM_DEVICES[platform] == 1:
         assert not calls["xmoe_scatter_rows"], f"{platform}: a permute copy of the tokens is left: {calls}"
-    # forward: the up-projection (gate and up concatenated along F) and the down-projection, which
-    # applies the activation as it loads (xmoe_gmm_act, kernels/gmm/fused.py); backward: the up
-    # projection's input gradient and the down projection's, and a weight-gradient tgmm each.
-    # After an exchange (2 devices) the down side's gradients fuse the activation too: its input
-    # gradient stores d hidden through the activation's gradient, its tgmm loads act(hidden). On one
-    # device the combine's weight gradient needs the activation itself, so they stay plain kernels.
-    fused = {"xmoe_gmm": 2, "xmoe_gmm_act": 2, "xmoe_tgmm": 1, "xmoe_tgmm_act": 1}
-    one_device_calls = {"xmoe_gmm": 3, "xmoe_gmm_act": 1, "xmoe_tgmm": 2, "xmoe_tgmm_act": 0}
-    want = one_device_calls if NUM_DEVICES[platform] == 1 else fused
+    # forward: the up-projection (gate and up concatenated along F: one GEMM) and the down-projection;
+    # backward: the up projection's input gradient and the down projection's, and a weight-gradient
+    # tgmm each. The activation could run inside them (xmoe_gmm_act, xmoe_tgmm_act: kernels/gmm/fused.py).
+    # The default fuses none of them (kernels/defaults.py: measured slower); the fused kernels' own
+    # lowering is test_fused_activation_kernels_lower_through_triton_for_rocm.
+    want = {"xmoe_gmm": 4, "xmoe_gmm_act": 0, "xmoe_tgmm": 2, "xmoe_tgmm_act": 0}
     assert {name: calls[name] for name in want} == want, calls
     if platform == "rocm":
         assert PALLAS_ATTENTION <= set(calls), calls
@@ -131,17 +128,38 @@ def test_exported_module_holds_the_kernel_calls(exported):
         assert not PALLAS_ATTENTION & set(calls), calls
 
 
+def _export_for_rocm(fn, args) -> collections.Counter:
+    """Kernel calls of fn(*args) exported for ROCm from this CPU host (skips where this jax's Pallas
+    Triton lowering needs a GPU device to export)."""
+    from jax.export import DisabledSafetyCheck
+
+    from xmoe_jax.kernels.platform import target
+    from xmoe_jax.perf.lowering import TRITON_CALL
+
+    with target("rocm"):
+        try:
+            exported = jax.export.export(
+                jax.jit(fn),
+                platforms=["rocm"],
+                disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)],
+            )(*args)
+        except RuntimeError as err:
+            if "No supported GPU devices found" not in str(err):
+                raise
+            pytest.skip(
+                f"jax {jax.__version__}: Pallas's Triton lowering needs a GPU device to export ({err})"
+            )
+    return kernel_calls(exported.mlir_module())
+
+
 def test_row_indexed_kernels_lower_through_triton_for_rocm():
     """The gathered loads and scattered stores (gmm/schedule.py, tgmm's gathered chunks, the fill
     programs) lower through Pallas's Triton backend: jax.value_and_grad of a gmm that gathers lhs rows and
     scatters its output, exported for ROCm. Forward gmm + d lhs gmm (scattered, zero-filled) +
     d rhs tgmm (both operands gathered)."""
     import jax.numpy as jnp
-    from jax.export import DisabledSafetyCheck
 
     from xmoe_jax.kernels import gmm
-    from xmoe_jax.kernels.platform import target
-    from xmoe_jax.perf.lowering import TRITON_CALL
 
     def loss(x, w, gs, src, dst):
         out = gmm(
@@ -163,17 +181,31 @@ def test_row_indexed_kernels_lower_through_triton_for_rocm():
         jax.ShapeDtypeStruct((72,), jnp.int32),
         jax.ShapeDtypeStruct((72,), jnp.int32),
     )
-    with target("rocm"):
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        try:
-            exported = jax.export.export(
-                step, platforms=["rocm"], disabled_checks=[DisabledSafetyCheck.custom_call(TRITON_CALL)]
-            )(*args)
-        except RuntimeError as err:
-            if "No supported GPU devices found" not in str(err):
-                raise
-            pytest.skip(
-                f"jax {jax.__version__}: Pallas's Triton lowering needs a GPU device to export ({err})"
-            )
-    calls = kernel_calls(exported.mlir_module())
+    calls = _export_for_rocm(jax.value_and_grad(loss, argnums=(0, 1)), args)
     assert calls["xmoe_gmm"] == 2 and calls["xmoe_tgmm"] == 1, calls
+
+
+def test_fused_activation_kernels_lower_through_triton_for_rocm(monkeypatch):
+    """The activation in a GEMM's load and in its store (kernels/gmm/fused.py, every op fused) lowers
+    through Pallas's Triton backend for ROCm: the down-projection, its d hidden and its weight gradient."""
+    import jax.numpy as jnp
+
+    from xmoe_jax.kernels.gmm.fused import gmm_act, gmm_act_grad, tgmm_act
+
+    monkeypatch.setenv("XMOE_FUSED_ACT", "kernel")
+
+    def pieces(h, w, gs, rows, dy):
+        y = gmm_act(h, w, gs, "swiglu", out_rows_R=rows, num_out_rows=96)
+        dh = gmm_act_grad(dy, w, gs, h, "swiglu", lhs_rows_R=rows)
+        return y, dh, tgmm_act(h, dy, gs, "swiglu", grad_rows_R=rows)
+
+    bf16 = jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((72, 128), bf16),  # hidden [R, 2F], F = 64
+        jax.ShapeDtypeStruct((4, 64, 32), bf16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((72,), jnp.int32),
+        jax.ShapeDtypeStruct((96, 32), bf16),
+    )
+    calls = _export_for_rocm(pieces, args)
+    assert calls["xmoe_gmm_act"] == 2 and calls["xmoe_tgmm_act"] == 1, calls

@@ -131,22 +131,24 @@ def tgmm_gathers_in_kernel() -> bool:
 
 
 # Which of gmm/fused.py's ops run the activation inside the Pallas GEMM, per XMOE_FUSED_ACT mode.
-# One H200, Small x 4 layers on one GPU (benchmarks/fused.md, 2026-11-28): the down-projection with
-# the activation in its load ran the step 4-5% slower than XLA's element-wise activation beside the
-# plain kernel (each of the D / block_n column tiles recomputes the activation of its rows, and the
-# lhs tiles are loaded twice); so "grad", the epilogue alone (no recomputation), is the default.
+# Measured slower both ways, so the default fuses none (benchmarks/fused.md, 2026-11-28):
+# - one H200, Small x 4 layers on one GPU: the down-projection with the activation in its load ran
+#   the step 4-5% slower than XLA's element-wise activation beside the plain kernel (each of the
+#   D / block_n column tiles recomputes the activation of its rows, and loads two lhs tiles);
+# - 4x H200, Small at 28 layers, EP 4, push: the d hidden epilogue alone ("grad") 5.2% slower, every
+#   op fused ("kernel") 11.3% slower, than none, although XLA's passes run over the whole buffer.
 FUSED_ACTIVATION = {
     "kernel": frozenset({"gmm_act", "gmm_act_grad", "tgmm_act"}),
     "grad": frozenset({"gmm_act_grad"}),
     "xla": frozenset(),
 }
-FUSED_ACTIVATION_DEFAULT = "grad"
+FUSED_ACTIVATION_DEFAULT = "xla"
 
 
 def activation_in_kernel(op: str) -> bool:
     """Whether gmm/fused.py's `op` runs the activation inside its Pallas GEMM or as XLA element-wise
     ops beside a plain one. XMOE_FUSED_ACT=kernel|grad|xla overrides the default mode, for measuring
-    one against another (scripts/gpu_bench_push.sh parts depth_fused, depth_unfused)."""
+    one against another (scripts/gpu_bench_push.sh parts depth_fused, depth_grad)."""
     mode = os.environ.get("XMOE_FUSED_ACT") or FUSED_ACTIVATION_DEFAULT
     if mode not in FUSED_ACTIVATION:
         raise ValueError(

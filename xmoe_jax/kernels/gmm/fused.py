@@ -17,7 +17,8 @@ prologue) or in the store (an epilogue); rows r >= S are neither read, computed 
 work follows the routed rows, not the receive buffer's size. Every other backend runs the XLA
 reference: the activation (or its gradient) as an element-wise XLA op over [R, F], beside the
 plain grouped GEMM of that backend; so does Pallas for the ops that defaults.FUSED_ACTIVATION does
-not fuse (by default only gmm_act_grad fuses: measured there; XMOE_FUSED_ACT picks another mode).
+not fuse: by default none (measured slower at one GPU and at depth: defaults.py); XMOE_FUSED_ACT=kernel
+or =grad fuses every op or the d hidden epilogue alone.
 Both compute the activation in float32 with the same expressions (activation.py). Rows past S of dh and unwritten output rows are unspecified (the
 kernels leave memory as it was; the reference gives zeros), as in api.py.
 
