@@ -32,6 +32,11 @@ DEFAULT_IMPLEMENTATION = {
 _CUDA_TILES = {
     "gmm": (128, 64, 256),
     "tgmm": (64, 128, 256),
+    # gmm/fused.py's ops (off by default): gmm's and tgmm's tiles, and a narrower N for the d hidden
+    # epilogue, which holds the float32 accumulator and its gate and up tiles in registers at once
+    "gmm_act": (128, 64, 256),
+    "gmm_act_grad": (128, 64, 128),
+    "tgmm_act": (64, 128, 256),
     "gmm_fp8": (128, 128, 256),
     "gmm_fp8_promoted": (256, 128, 128),
 }
@@ -45,6 +50,9 @@ _CUDA_LAUNCH = {
 _ROCM_TILES = {
     "gmm": (128, 64, 128),
     "tgmm": (64, 64, 128),
+    "gmm_act": (128, 64, 128),
+    "gmm_act_grad": (128, 64, 128),
+    "tgmm_act": (64, 64, 128),
     "gmm_fp8": (128, 128, 128),
     "gmm_fp8_promoted": (128, 128, 128),
 }
@@ -53,6 +61,9 @@ DEFAULT_TILES = {
     ("pallas", "cpu"): {
         "gmm": (16, 16, 16),
         "tgmm": (16, 16, 16),
+        "gmm_act": (16, 16, 16),
+        "gmm_act_grad": (16, 16, 16),
+        "tgmm_act": (16, 16, 16),
         "gmm_fp8": (16, 128, 16),
         "gmm_fp8_promoted": (16, 128, 16),
     },
@@ -99,17 +110,20 @@ def fp8_weights_kmajor() -> bool:
     return FP8_WEIGHTS_KMAJOR.get(platform(), False)
 
 
+_FUSED_BASE = {"gmm_act": "gmm", "gmm_act_grad": "gmm", "tgmm_act": "tgmm"}
+
+
 def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[int | None, int | None]:
     """(num_warps, num_stages), with stages cut until the pipelined tiles fit in shared memory.
-    Ops "gmm_act" / "tgmm_act" (gmm/fused.py) take gmm's / tgmm's parameters and load two lhs tiles
+    gmm/fused.py's ops take gmm's or tgmm's parameters; "gmm_act" and "tgmm_act" load two lhs tiles
     (gate and up) per step."""
-    base = op.removesuffix("_act")
+    base = _FUSED_BASE.get(op, op)
     num_warps, num_stages = LAUNCH.get((implementation, platform()), {}).get(base, (None, None))
     limit = SHARED_MEMORY_BYTES.get(platform())
     if num_stages is None or limit is None:
         return num_warps, num_stages
     bm, bk, bn = tile
-    lhs_tiles = 2 if op != base else 1
+    lhs_tiles = 2 if op in ("gmm_act", "tgmm_act") else 1
     per_stage = (lhs_tiles * bm * bk + (bm * bn if base == "tgmm" else bk * bn)) * itemsize
     while num_stages > 1 and num_stages * per_stage > limit:
         num_stages -= 1

@@ -84,7 +84,7 @@ def gmm_act(
             act_rows(hidden_RH, activation), w_EFN, group_sizes_E, out_rows_R=out_rows_R, num_out_rows=num_out_rows,
             zero_unwritten=zero_unwritten, implementation=implementation, tile=tile,
         )  # fmt: skip
-    tile = backend.tile("gmm", tile)
+    tile = backend.tile("gmm_act", tile)
     return gmm_pallas(
         hidden_RH, w_EFN, group_sizes_E, out_dtype=hidden_RH.dtype, tile=tile, out_rows_R=out_rows_R,
         num_out_rows=num_out_rows, zero_unwritten=zero_unwritten, lhs_activation=activation,
@@ -118,10 +118,10 @@ def gmm_act_grad(
             preferred_element_type=jnp.float32, tile=tile,
         )  # fmt: skip
         return act_grad_rows(hidden_RH, d_act_RF, activation)
-    tile = backend.tile("gmm", tile)
+    tile = backend.tile("gmm_act_grad", tile)
     return gmm_pallas(
         dy_LK, w_ENK, group_sizes_E, out_dtype=hidden_RH.dtype, tile=tile, transpose_rhs=True,
-        lhs_rows_R=lhs_rows_R, act_grad=(activation, hidden_RH), **backend.launch("gmm", tile, dy_LK.dtype),
+        lhs_rows_R=lhs_rows_R, act_grad=(activation, hidden_RH), **backend.launch("gmm_act_grad", tile, dy_LK.dtype),
     )  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def tgmm_act(
                     implementation=implementation, tile=tile)  # fmt: skip
     if grad_rows_R is not None and not defaults.tgmm_gathers_in_kernel():  # as api.py's tgmm: XLA gathers
         dy_GN, grad_rows_R = _gathered(dy_GN, grad_rows_R), None
-    tile = backend.tile("tgmm", tile)
+    tile = backend.tile("tgmm_act", tile)
     return tgmm_pallas(
         hidden_RH, dy_GN, group_sizes_E, out_dtype=dy_GN.dtype, tile=tile, grad_rows_R=grad_rows_R,
         lhs_activation=activation, **backend.launch("tgmm_act", tile, hidden_RH.dtype),
