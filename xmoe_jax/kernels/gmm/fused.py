@@ -49,12 +49,11 @@ def _check_hidden(hidden_RH, f_dim: int, activation: str, num_rows: int | None =
         raise ValueError(f"hidden has {hidden_RH.shape[0]} rows, the grouped rows are {num_rows}")
 
 
-def _pallas(fused_op, implementation, op, arrays, k_dim, n_dim, tile, indexed):
+def _pallas(fused_op: str, implementation, call: backends.Call):
     """The Pallas backend when `fused_op` fuses on this machine (defaults.activation_in_kernel) and the
-    choice for this call lands on Pallas; else None: the XLA reference."""
+    choice for `call` (the plain kernel's) lands on Pallas; else None: the XLA reference."""
     if not defaults.activation_in_kernel(fused_op):
         return None
-    call = backends.Call(op, arrays, k_dim, n_dim, tile, indexed=indexed)
     backend = backends.choose_backend(implementation, call)
     return backend if backend.name == "pallas" else None
 
@@ -69,16 +68,10 @@ def gmm_act(
     hidden_RH, w_EFN = match_vma(hidden_RH, w_EFN)
     num_out = hidden_RH.shape[0] if out_rows_R is None else int(num_out_rows)
     out_ON = jax.ShapeDtypeStruct((num_out, n_dim), hidden_RH.dtype)
-    backend = _pallas(
-        "gmm_act",
-        implementation,
-        "gmm",
-        (hidden_RH, w_EFN, out_ON),
-        f_dim,
-        n_dim,
-        tile,
-        out_rows_R is not None,
+    call = backends.Call(
+        "gmm", (hidden_RH, w_EFN, out_ON), f_dim, n_dim, tile, indexed=out_rows_R is not None
     )
+    backend = _pallas("gmm_act", implementation, call)
     if backend is None:
         return gmm(
             act_rows(hidden_RH, activation), w_EFN, group_sizes_E, out_rows_R=out_rows_R, num_out_rows=num_out_rows,
@@ -93,25 +86,16 @@ def gmm_act(
 
 
 def gmm_act_grad(
-    dy_LK,
-    w_ENK,
-    group_sizes_E,
-    hidden_RH,
-    activation: str,
-    *,
-    lhs_rows_R=None,
-    implementation=None,
-    tile=None,
-):
+    dy_LK, w_ENK, group_sizes_E, hidden_RH, activation: str, *, lhs_rows_R=None, implementation=None, tile=None,
+):  # fmt: skip
     """d hidden [R, H] = act'(hidden) * (dy[lhs_rows[r]] @ w[group(r)].T) for r < S (w is the forward's
     [E, F, D] down-projection, used transposed); rows past S unspecified."""
     f_dim = w_ENK.shape[1]
     num_rows = dy_LK.shape[0] if lhs_rows_R is None else lhs_rows_R.shape[0]
     _check_hidden(hidden_RH, f_dim, activation, num_rows)
     dy_LK, w_ENK, hidden_RH = match_vma(dy_LK, w_ENK, hidden_RH)
-    backend = _pallas(
-        "gmm_act_grad", implementation, "gmm", (dy_LK, w_ENK, hidden_RH), dy_LK.shape[1], f_dim, tile, True
-    )
+    call = backends.Call("gmm", (dy_LK, w_ENK, hidden_RH), dy_LK.shape[1], f_dim, tile, indexed=True)
+    backend = _pallas("gmm_act_grad", implementation, call)
     if backend is None:
         d_act_RF = gmm(
             dy_LK, w_ENK, group_sizes_E, transpose_rhs=True, lhs_rows_R=lhs_rows_R, implementation=implementation,
@@ -135,16 +119,10 @@ def tgmm_act(
     hidden_RH, dy_GN = match_vma(hidden_RH, dy_GN)
     n_dim = dy_GN.shape[1]
     out_EFN = jax.ShapeDtypeStruct((group_sizes_E.shape[0], f_dim, n_dim), dy_GN.dtype)
-    backend = _pallas(
-        "tgmm_act",
-        implementation,
-        "tgmm",
-        (hidden_RH, dy_GN, out_EFN),
-        f_dim,
-        n_dim,
-        tile,
-        grad_rows_R is not None,
+    call = backends.Call(
+        "tgmm", (hidden_RH, dy_GN, out_EFN), f_dim, n_dim, tile, indexed=grad_rows_R is not None
     )
+    backend = _pallas("tgmm_act", implementation, call)
     if backend is None:
         return tgmm(act_rows(hidden_RH, activation), dy_GN, group_sizes_E, grad_rows_R=grad_rows_R,
                     implementation=implementation, tile=tile)  # fmt: skip
