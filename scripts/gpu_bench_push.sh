@@ -21,6 +21,8 @@
 # reading its indexed rows in its kernel (XMOE_TGMM_GATHER=kernel) instead of XLA gathering the whole receive buffer
 # first, or the expert activation inside every GEMM around it (XMOE_FUSED_ACT=kernel) or in d hidden's epilogue only
 # (XMOE_FUSED_ACT=grad), instead of XLA element-wise ops over the whole buffer (the default: measured faster).
+# Part `depth_stacks` (about 5 minutes): push at depth with the scan's residual stacks started uninitialised
+# (XMOE_SCAN_STACKS=empty, xmoe_jax/launch/scan_stacks.py) instead of zero-filled; its losses must equal depth_push's.
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
 # its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's
@@ -78,19 +80,20 @@ for part in ${PARTS:-exchange scaling}; do
       TF_GPU_ALLOCATOR=cuda_malloc_async ep_step mem_push_async 200 "$N" 4 configs/small.yaml \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         --set parallel.transport=push ;;
-    depth_*)  # depth_<transport>, or push with one lever: depth_shrink, depth_tgmm, depth_fused, depth_grad (header)
+    depth_*)  # depth_<transport>, or push with one lever (depth_shrink ... depth_stacks: the header)
       name=$part transport=${part#depth_} lever=""
       case $part in
         depth_shrink) name=push_$part transport=push lever="--set parallel.buffer_shrink_after=20" ;;
         depth_tgmm) name=push_$part transport=push && export XMOE_TGMM_GATHER=kernel ;;
         depth_fused) name=push_$part transport=push && export XMOE_FUSED_ACT=kernel ;;
         depth_grad) name=push_$part transport=push && export XMOE_FUSED_ACT=grad ;;
+        depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
       ep_step "$name" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         --set parallel.transport="$transport" $lever
-      unset XMOE_TGMM_GATHER XMOE_FUSED_ACT ;;
+      unset XMOE_TGMM_GATHER XMOE_FUSED_ACT XMOE_SCAN_STACKS ;;
   esac
 done
 summary

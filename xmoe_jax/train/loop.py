@@ -27,7 +27,7 @@ from xmoe_jax import sharding
 from xmoe_jax.config import Config, ConfigError
 from xmoe_jax.config.applies import check_training_data
 from xmoe_jax.data import fingerprint, make_eval_input, make_input, provenance
-from xmoe_jax.launch import xla_flags
+from xmoe_jax.launch import scan_stacks, xla_flags
 from xmoe_jax.resolve import exchange_devices, resolve_placement
 from xmoe_jax.train import hooks, runlock
 from xmoe_jax.train import resume as tresume
@@ -81,6 +81,7 @@ def train(
     num_processes, process_index = jax.process_count(), jax.process_index()
     cfg.validate_for_devices(jax.device_count(), num_processes)
     check_training_data(cfg)  # a tokenizer with synthetic data (config/applies.py, `train` row)
+    scan_stacks.apply_from_env()  # XMOE_SCAN_STACKS: before any step compiles (a bad value is refused here)
     cfg = provenance.resolve(cfg)  # data.tokenizer: the data's own, or refused if it differs
     run = RunDir(cfg.train.run_dir)
     if resume and not start_if_missing and not run.root.exists():
