@@ -145,3 +145,13 @@ def test_the_fused_activation_modes_name_the_ops_or_are_refused(monkeypatch):
     monkeypatch.setenv("XMOE_FUSED_ACT", "fast")
     with pytest.raises(ValueError, match="use one of"):
         defaults.activation_in_kernel("gmm_act")
+
+
+def test_the_epilogue_refuses_a_scattered_or_filled_output():
+    from xmoe_jax.kernels.gmm.pallas import gmm_pallas
+
+    dy, w, gs, h = jnp.ones((6, 3)), jnp.ones((2, 4, 3)), jnp.array([3, 3], jnp.int32), jnp.ones((6, 8))
+    rows = jnp.arange(6, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="act_grad stores the grouped rows"):
+        gmm_pallas(dy, w, gs, out_dtype=jnp.float32, tile=(16, 16, 16), transpose_rhs=True, out_rows_R=rows,
+                   num_out_rows=6, act_grad=("swiglu", h), interpret=True)  # fmt: skip

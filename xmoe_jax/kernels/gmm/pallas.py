@@ -159,6 +159,8 @@ def gmm_pallas(
     )  # fmt: skip
     store, extra, out_cols = None, (), n_dim
     if act_grad is not None:
+        if out_rows_R is not None or zero_unwritten:  # the epilogue stores grouped rows, every column of H
+            raise ValueError("act_grad stores the grouped rows: no out_rows_R, no zero_unwritten")
         activation, hidden_RH = act_grad
         store = functools.partial(_store_act_grad, bm=bm, bn=bn, f_dim=n_dim, activation=activation)
         extra, out_cols = (hidden_RH,), hidden_RH.shape[1]
