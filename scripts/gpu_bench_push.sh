@@ -16,11 +16,9 @@
 # Parts `depth_push`, `depth_bucketed` (each about 5 minutes: one per call): the paper's Small at 28 layers,
 # EP N, 4 micro-batches of 16k tokens per GPU, save_exchange, learned router, $DEPTH_STEPS steps (60),
 # logged every 10 (the windows show what buffer changes and their recompiles cost).
-# Parts `depth_shrink`, `depth_tgmm`, `depth_fused`, `depth_grad` (each about 5 minutes): push at depth as
-# `depth_push`, with one lever each: buffers that shrink after 20 quiet steps (parallel.buffer_shrink_after=20), tgmm
-# reading its indexed rows in its kernel (XMOE_TGMM_GATHER=kernel) instead of XLA gathering the whole receive buffer
-# first, or the expert activation inside every GEMM around it (XMOE_FUSED_ACT=kernel) or in d hidden's epilogue only
-# (XMOE_FUSED_ACT=grad), instead of XLA element-wise ops over the whole buffer (the default: measured faster).
+# Parts `depth_shrink`, `depth_tgmm` (each about 5 minutes): push at depth as `depth_push`, with one lever each:
+# buffers that shrink after 20 quiet steps (parallel.buffer_shrink_after=20), or tgmm reading its indexed rows in its
+# kernel (XMOE_TGMM_GATHER=kernel) instead of XLA gathering the whole receive buffer first.
 # Part `depth_stacks` (about 5 minutes): push at depth with the scan's residual stacks started uninitialised
 # (XMOE_SCAN_STACKS=empty, xmoe_jax/launch/scan_stacks.py) instead of zero-filled; its losses must equal depth_push's.
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
@@ -85,15 +83,13 @@ for part in ${PARTS:-exchange scaling}; do
       case $part in
         depth_shrink) name=push_$part transport=push lever="--set parallel.buffer_shrink_after=20" ;;
         depth_tgmm) name=push_$part transport=push && export XMOE_TGMM_GATHER=kernel ;;
-        depth_fused) name=push_$part transport=push && export XMOE_FUSED_ACT=kernel ;;
-        depth_grad) name=push_$part transport=push && export XMOE_FUSED_ACT=grad ;;
         depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
       ep_step "$name" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         --set parallel.transport="$transport" $lever
-      unset XMOE_TGMM_GATHER XMOE_FUSED_ACT XMOE_SCAN_STACKS ;;
+      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS ;;
   esac
 done
 summary

@@ -135,7 +135,7 @@ def test_fused_argument_errors_name_the_shapes():
 
 
 def test_the_fused_activation_modes_name_the_ops_or_are_refused(monkeypatch):
-    """XMOE_FUSED_ACT (scripts/gpu_bench_push.sh parts depth_fused, depth_grad) overrides the default."""
+    """XMOE_FUSED_ACT overrides the default mode of kernels/gmm/fused.py."""
     from xmoe_jax.kernels import defaults
 
     ops = ("gmm_act", "gmm_act_grad", "tgmm_act")

@@ -162,7 +162,7 @@ FUSED_ACTIVATION_DEFAULT = "xla"
 def activation_in_kernel(op: str) -> bool:
     """Whether gmm/fused.py's `op` runs the activation inside its Pallas GEMM or as XLA element-wise
     ops beside a plain one. XMOE_FUSED_ACT=kernel|grad|xla overrides the default mode, for measuring
-    one against another (scripts/gpu_bench_push.sh parts depth_fused, depth_grad)."""
+    one against another (the kernels are not wired into the MoE layer: benchmarks/fused.md)."""
     mode = os.environ.get("XMOE_FUSED_ACT") or FUSED_ACTIVATION_DEFAULT
     if mode not in FUSED_ACTIVATION:
         raise ValueError(

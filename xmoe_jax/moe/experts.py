@@ -13,10 +13,6 @@ rows through an index on load and write them through an index on store.
   arrival_experts   (after an exchange: received rows, each read once) reads x_MD through the
                     grouped -> arrival index and stores each output at its arrival row; d x is
                     stored back through the same index.
-Both make the up-projections' output as one concatenated hidden [R, H], H = n*F (SwiGLU's gate then
-up, n = 2; GELU's up, n = 1: one grouped GEMM against the concatenated weights), and the
-down-projection reads act(hidden) inside its GEMM (kernels/gmm/fused.py), so the [R, F] activation
-is never stored and no element-wise pass runs over the rows past the routed ones.
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ import numpy as np
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
-from xmoe_jax.kernels.gmm.activation import act_grad_rows, act_rows
-from xmoe_jax.kernels.gmm.fused import gmm_act, gmm_act_grad, tgmm_act
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
 
 
@@ -76,31 +70,33 @@ def shared_experts(x_TD: jax.Array, shared: dict, activation: str) -> jax.Array:
     return y_TD
 
 
-def _up_weights(w_up: tuple, dtype) -> jax.Array:
-    """The up-projection matrices as one [E, D, n*F] (SwiGLU's gate then up, cast to the rows' dtype):
-    one grouped GEMM makes the concatenated hidden that the fused activation reads
-    (kernels/gmm/activation.py), and its gradients are one GEMM each, not two and a sum."""
-    return jnp.concatenate([w.astype(dtype) for w in w_up], axis=2)
+def _up_bwd_operands(d_hidden, w_up, dtype):
+    """The up-projections' gradients as one GEMM: d hidden [R, n*F] and the weights [E, D, n*F],
+    concatenated along F (SwiGLU's gate and up), so d x is one grouped GEMM, not two and a sum."""
+    d_RF = jnp.concatenate([d.astype(dtype) for d in d_hidden], axis=1)
+    w_EDF = jnp.concatenate([w.astype(dtype) for w in w_up], axis=2)
+    return d_RF, w_EDF
 
 
-def _split_dw(dw_EDH, w_up) -> tuple:
+def _split_dw(dw_EDF, w_up) -> tuple:
     """Split the concatenated weight gradient back per matrix, in each master's dtype."""
     ends = np.cumsum([w.shape[2] for w in w_up])
-    return tuple(dw_EDH[:, :, e - w.shape[2] : e].astype(w.dtype) for e, w in zip(ends, w_up, strict=True))
+    return tuple(dw_EDF[:, :, e - w.shape[2] : e].astype(w.dtype) for e, w in zip(ends, w_up, strict=True))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _permute_up(x_TD, dest_TK, num_rows: int, w_up: tuple, group_sizes_E):
-    """The expert input rows x_RD = permute(x_TD, dest_TK) through the up-projections (cast to the rows'
-    dtype): the concatenated hidden [R, n*F] (rows past sum(group_sizes) unspecified).
+    """The expert input rows x_RD = permute(x_TD, dest_TK) through each up-projection matrix (cast to
+    the rows' dtype); returns one [R, F] hidden per matrix (rows past sum(group_sizes) unspecified).
 
-    No x_RD is made: the grouped GEMM reads token rows through `token_rows` (gather on load). The
+    No x_RD is made: the grouped GEMMs read token rows through `token_rows` (gather on load). The
     backward pass keeps x_TD and the weights as passed (the float32 masters), recomputing their
-    casts; d x is one grouped GEMM into grouped order, summed over each token's K rows by `combine`
-    (a token-centric gather-sum: no atomics)."""
+    casts; d x is one grouped GEMM of the concatenated gradients into grouped order, summed over
+    each token's K rows by `combine` (a token-centric gather-sum: no atomics)."""
     tok_R = token_rows(dest_TK, x_TD.shape[0], num_rows)
-    w_EDH = _up_weights(w_up, x_TD.dtype)
-    return gmm(x_TD, w_EDH, group_sizes_E, lhs_rows_R=tok_R, zero_unwritten=False)
+    return tuple(
+        gmm(x_TD, w.astype(x_TD.dtype), group_sizes_E, lhs_rows_R=tok_R, zero_unwritten=False) for w in w_up
+    )
 
 
 def _permute_up_fwd(x_TD, dest_TK, num_rows, w_up, group_sizes_E):
@@ -108,12 +104,12 @@ def _permute_up_fwd(x_TD, dest_TK, num_rows, w_up, group_sizes_E):
     return out, (x_TD, dest_TK, w_up, group_sizes_E)
 
 
-def _permute_up_bwd(num_rows, res, d_RH):
+def _permute_up_bwd(num_rows, res, d_hidden):
     x_TD, dest_TK, w_up, group_sizes_E = res
     tok_R = token_rows(dest_TK, x_TD.shape[0], num_rows)
-    d_RH = d_RH.astype(x_TD.dtype)
-    dx_RD = gmm(d_RH, _up_weights(w_up, x_TD.dtype), group_sizes_E, transpose_rhs=True, zero_unwritten=False)
-    dw = _split_dw(tgmm(x_TD, d_RH, group_sizes_E, lhs_rows_R=tok_R), w_up)
+    d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_TD.dtype)
+    dx_RD = gmm(d_RF, w_EDF, group_sizes_E, transpose_rhs=True, zero_unwritten=False)
+    dw = _split_dw(tgmm(x_TD, d_RF, group_sizes_E, lhs_rows_R=tok_R), w_up)
     dx_TD = combine(dx_RD, dest_TK, jnp.ones(dest_TK.shape, jnp.float32)).astype(x_TD.dtype)
     return dx_TD, None, dw, None
 
@@ -123,27 +119,29 @@ _permute_up.defvjp(_permute_up_fwd, _permute_up_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _gather_up(x_MD, arrival_R, w_up: tuple, group_sizes_E, num_rows: int):
-    """The up-projections of the rows x_MD[arrival_R[r]] (gather on load, no grouped copy of x_MD):
-    the concatenated hidden [R, n*F], rows past sum(group_sizes) unspecified. Every x_MD row is read
-    at most once, so d x is one grouped GEMM scattered straight back into x_MD's rows (zeros in the
-    rows nobody reads). Keeps x_MD and the master weights, as `_permute_up` does."""
+    """Each up-projection of the rows x_MD[arrival_R[r]] (gather on load, no grouped copy of x_MD);
+    [R, F] per matrix, rows past sum(group_sizes) unspecified. Every x_MD row is read at most
+    once, so d x is one grouped GEMM scattered straight back into x_MD's rows (zeros in the rows
+    nobody reads). Keeps x_MD and the master weights, as `_permute_up` does."""
     del num_rows
-    w_EDH = _up_weights(w_up, x_MD.dtype)
-    return gmm(x_MD, w_EDH, group_sizes_E, lhs_rows_R=arrival_R, zero_unwritten=False)
+    return tuple(
+        gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, lhs_rows_R=arrival_R, zero_unwritten=False)
+        for w in w_up
+    )
 
 
 def _gather_up_fwd(x_MD, arrival_R, w_up, group_sizes_E, num_rows):
     return _gather_up(x_MD, arrival_R, w_up, group_sizes_E, num_rows), (x_MD, arrival_R, w_up, group_sizes_E)
 
 
-def _gather_up_bwd(num_rows, res, d_RH):
+def _gather_up_bwd(num_rows, res, d_hidden):
     x_MD, arrival_R, w_up, group_sizes_E = res
-    d_RH = d_RH.astype(x_MD.dtype)
+    d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_MD.dtype)
     dx_MD = gmm(
-        d_RH, _up_weights(w_up, x_MD.dtype), group_sizes_E, transpose_rhs=True, out_rows_R=arrival_R,
-        num_out_rows=x_MD.shape[0], zero_unwritten=True,
+        d_RF, w_EDF, group_sizes_E, transpose_rhs=True, out_rows_R=arrival_R, num_out_rows=x_MD.shape[0],
+        zero_unwritten=True,
     )  # fmt: skip
-    dw = _split_dw(tgmm(x_MD, d_RH, group_sizes_E, lhs_rows_R=arrival_R), w_up)
+    dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E, lhs_rows_R=arrival_R), w_up)
     return dx_MD, None, dw, None
 
 
@@ -151,60 +149,58 @@ _gather_up.defvjp(_gather_up_fwd, _gather_up_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _act_down_scatter(hidden_RH, w_EFD, group_sizes_E, arrival_R, num_out: int, activation: str):
+def _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out: int, activation: str):
     """gmm(act(hidden), w) with grouped row r stored at row arrival_R[r] of a [num_out, D] output
     (scatter on store: no grouped copy to put back in order). Output rows no grouped row writes
-    are unspecified.
-
-    The activation lives inside the GEMMs (kernels/gmm/fused.py): the down-projection applies it
-    as it loads the hidden, its data gradient applies the activation's gradient as it stores d
-    hidden, and its weight gradient applies it again as it loads; so no [R, F] activation exists
-    in either pass and no element-wise pass runs over rows past sum(group_sizes). The backward keeps
-    the pre-activation hidden and the master w (recomputing the cast), and gathers the output's
-    cotangent rows through the same index."""
-    w = w_EFD.astype(hidden_RH.dtype)
-    return gmm_act(hidden_RH, w, group_sizes_E, activation, out_rows_R=arrival_R, num_out_rows=num_out)
+    are unspecified. The backward keeps the pre-activation hidden (one [R, F] per input matrix)
+    and the master w, and recomputes the activation (elementwise) and the cast: autodiff would
+    keep the activation's output and intermediates beside its input. It gathers the output's
+    cotangent rows through the same index (d act and d w read them in place)."""
+    act_RF = _act(*hidden, activation)
+    w = w_EFD.astype(act_RF.dtype)
+    return gmm(act_RF, w, group_sizes_E, out_rows_R=arrival_R, num_out_rows=num_out, zero_unwritten=False)
 
 
-def _act_down_scatter_fwd(hidden_RH, w_EFD, group_sizes_E, arrival_R, num_out, activation):
-    y_MD = _act_down_scatter(hidden_RH, w_EFD, group_sizes_E, arrival_R, num_out, activation)
-    return y_MD, (hidden_RH, w_EFD, group_sizes_E, arrival_R)
+def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation):
+    y_MD = _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation)
+    return y_MD, (hidden, w_EFD, group_sizes_E, arrival_R)
 
 
 def _act_down_scatter_bwd(num_out, activation, res, d_MD):
-    hidden_RH, w_EFD, group_sizes_E, arrival_R = res
-    d_MD = d_MD.astype(hidden_RH.dtype)
-    w = w_EFD.astype(hidden_RH.dtype)
-    d_RH = gmm_act_grad(d_MD, w, group_sizes_E, hidden_RH, activation, lhs_rows_R=arrival_R)
-    dw_EFD = tgmm_act(hidden_RH, d_MD, group_sizes_E, activation, grad_rows_R=arrival_R).astype(w_EFD.dtype)
-    return d_RH, dw_EFD, None, None
+    hidden, w_EFD, group_sizes_E, arrival_R = res
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    d_MD = d_MD.astype(act_RF.dtype)
+    w = w_EFD.astype(act_RF.dtype)
+    d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
+    dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
+    return act_vjp(d_act_RF), dw_EFD, None, None
 
 
 _act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _act_down_combine(hidden_RH, w_EFD, group_sizes_E, dest_TK, weights_TK, activation: str):
+def _act_down_combine(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation: str):
     """combine(gmm(act(hidden), w), dest_TK, weights_TK): the experts' outputs weighted back into their
-    tokens, [T, D] in float32, when the rows never leave the device (no exchange in between). The
-    forward applies the activation inside the GEMM's load (kernels/gmm/fused.py).
+    tokens, [T, D] in float32, when the rows never leave the device (no exchange in between).
 
     The backward pass keeps no [R, D] output: the combine weight's gradient <dy_t, out_r> equals
     <dy_t W^T, act_r>, and dy_t W^T (a grouped GEMM of the unweighted rows, read from dy_TD through
     `token_rows`: no permuted copy) is the activation's gradient before the weight; so it keeps
     what `_act_down_scatter` keeps and the [T, K] dest and weights."""
-    w = w_EFD.astype(hidden_RH.dtype)
-    return combine(gmm_act(hidden_RH, w, group_sizes_E, activation), dest_TK, weights_TK)
+    act_RF = _act(*hidden, activation)
+    out_RD = gmm(act_RF, w_EFD.astype(act_RF.dtype), group_sizes_E, zero_unwritten=False)
+    return combine(out_RD, dest_TK, weights_TK)
 
 
-def _act_down_combine_fwd(hidden_RH, w_EFD, group_sizes_E, dest_TK, weights_TK, activation):
-    y_TD = _act_down_combine(hidden_RH, w_EFD, group_sizes_E, dest_TK, weights_TK, activation)
-    return y_TD, (hidden_RH, w_EFD, group_sizes_E, dest_TK, weights_TK)
+def _act_down_combine_fwd(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation):
+    y_TD = _act_down_combine(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, activation)
+    return y_TD, (hidden, w_EFD, group_sizes_E, dest_TK, weights_TK)
 
 
 def _act_down_combine_bwd(activation, res, dy_TD):
-    hidden_RH, w_EFD, group_sizes_E, dest_TK, weights_TK = res
-    act_RF = act_rows(hidden_RH, activation)
+    hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
     num_rows, dt = act_RF.shape[0], act_RF.dtype
     tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
     dy_TD = dy_TD.astype(dt)
@@ -216,11 +212,11 @@ def _act_down_combine_bwd(activation, res, dy_TD):
     # rows past sum(group_sizes) of u and act are unspecified; only valid rows are gathered from s
     s_R = jnp.sum(u_RF.astype(jnp.float32) * act_RF.astype(jnp.float32), axis=-1)
     dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
-    d_RH = act_grad_rows(hidden_RH, u_RF.astype(jnp.float32) * g_R[:, None], activation)
+    d_act_RF = (u_RF.astype(jnp.float32) * g_R[:, None]).astype(dt)
     dw_EFD = tgmm(
         (act_RF.astype(jnp.float32) * g_R[:, None]).astype(dt), dy_TD, group_sizes_E, grad_rows_R=tok_R
     )
-    return d_RH, dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
+    return act_vjp(d_act_RF), dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
 
 
 _act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)
@@ -241,9 +237,14 @@ def _up_names(activation: str) -> tuple[str, ...]:
     return ("w_gate", "w_up") if activation == "swiglu" else ("w_up",)
 
 
-def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> jax.Array:
+def _tag_hidden(hidden: tuple, activation: str) -> tuple:
+    hidden = tuple(tag(h, EXPERT_HIDDEN) for h in hidden)
+    return hidden if activation == "swiglu" else (None, *hidden)
+
+
+def _hidden(x_TD, dest_TK, num_rows, experts, gs_E, activation) -> tuple:
     w_up = tuple(experts[n] for n in _up_names(activation))
-    return tag(_permute_up(x_TD, dest_TK, int(num_rows), w_up, gs_E), EXPERT_HIDDEN)
+    return _tag_hidden(_permute_up(x_TD, dest_TK, int(num_rows), w_up, gs_E), activation)
 
 
 def combined_experts(
@@ -287,9 +288,8 @@ def arrival_experts(
 
     Gather on load into the up-projections and scatter on store out of the down-projection
     (kernels.gmm's row indices): no grouped copy of x_MD and no ungrouped copy of the output, in
-    either pass; the activation and its gradient run inside the down-projection's GEMMs
-    (kernels/gmm/fused.py). arrival_R must name each row at most once. What the backward pass
-    keeps: x_MD, the pre-activation hidden and the index (`_gather_up`, `_act_down_scatter`). FP8 grouped
+    either pass. arrival_R must name each row at most once. What the backward pass keeps: x_MD,
+    the pre-activation hidden and the index (`_gather_up`, `_act_down_scatter`). FP8 grouped
     GEMMs (fp8/gmm.py) keep the materialised group / ungroup permutes.
     """
     gs_E = group_sizes_E.astype(jnp.int32)
@@ -304,7 +304,7 @@ def arrival_experts(
             y_MD = combine(y_RD, grouped_M, jnp.ones((num_rows, 1), jnp.float32))
         else:
             w_up = tuple(experts[n] for n in _up_names(activation))
-            hidden = tag(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), EXPERT_HIDDEN)
+            hidden = _tag_hidden(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), activation)
             y_MD = _act_down_scatter(hidden, experts["w_down"], gs_E, arrival_R, num_rows, activation)
     return tag(y_MD, EXPERT_OUT)
 

@@ -96,7 +96,7 @@ def projections(name, case, w_up, w_down, impl):
             lambda x, w: gmm(permute(x, dest, rows, implementation=impl), w, gs, **kw),
             (case["x"], w_up),
         )
-        out[("up", "b_gather")] = (lambda x, w: _permute_up(x, dest, rows, (w,), gs), (case["x"], w_up))
+        out[("up", "b_gather")] = (lambda x, w: _permute_up(x, dest, rows, (w,), gs)[0], (case["x"], w_up))
         out[("up", "ref")] = (
             lambda x, w: gmm_xla(x, w, gs, out_dtype=x.dtype, lhs_rows_R=tok_R),
             (case["x"], w_up),
