@@ -18,7 +18,7 @@ Files, one folder per op:
              pallas.py, pallas_fp8.py, triton.py, mgpu.py (one file per backend's kernels),
              schedule.py (the Triton-style kernels' tile schedule, written once),
              fused.py + activation.py (the expert activation inside the GEMMs around it:
-             prologue / epilogue kernels and their XLA reference; off by default, defaults.py),
+             prologue / epilogue kernels and their XLA reference; not used by the MoE layer),
              metadata.py (row tile -> group work list)
   permute/   api.py (public permute / combine, custom VJPs), xla.py (oracle), pallas.py
   backends.py   IMPLEMENTATIONS, the registry of backend objects, and choose_backend (fallbacks)

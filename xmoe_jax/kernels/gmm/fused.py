@@ -22,8 +22,9 @@ or =grad fuses every op or the d hidden epilogue alone.
 Both compute the activation in float32 with the same expressions (activation.py). Rows past S of dh and unwritten output rows are unspecified (the
 kernels leave memory as it was; the reference gives zeros), as in api.py.
 
-Not differentiable: they are the pieces of the experts' own custom VJP (moe/experts.py), which
-states the backward pass itself.
+Not differentiable: they are pieces for an expert layer's own custom VJP, which states the backward
+pass itself. The MoE layer (moe/experts.py) does not use them: wired in, they measured slower and
+the one-GEMM hidden they read broke remat=full's saving on unrolled layers (benchmarks/fused.md).
 """
 
 from __future__ import annotations
