@@ -21,6 +21,9 @@
 # kernel (XMOE_TGMM_GATHER=kernel) instead of XLA gathering the whole receive buffer first.
 # Part `depth_stacks` (about 5 minutes): push at depth with the scan's residual stacks started uninitialised
 # (XMOE_SCAN_STACKS=empty, xmoe_jax/launch/scan_stacks.py) instead of zero-filled; its losses must equal depth_push's.
+# Part `depth_source` (about 5 minutes): push at depth with its rows landing source-major (XMOE_ARRIVAL=source) instead
+# of grouped by expert (layouts.compact), for measuring expert-major arrival; its losses must equal depth_push's.
+# DEPTH_LAYERS=12 runs the depth parts at 12 layers (2 GPUs hold that, not 28), DEPTH_LIMIT their time limit (560 s).
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
 # its memory-usage report kept from an HLO dump); then the push run for 3 steps with the allocator's
@@ -84,12 +87,13 @@ for part in ${PARTS:-exchange scaling}; do
         depth_shrink) name=push_$part transport=push lever="--set parallel.buffer_shrink_after=20" ;;
         depth_tgmm) name=push_$part transport=push && export XMOE_TGMM_GATHER=kernel ;;
         depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
+        depth_source) name=push_$part transport=push && export XMOE_ARRIVAL=source ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
-      ep_step "$name" 560 "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
+      ep_step "$name" "${DEPTH_LIMIT:-560}" "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
-        --set parallel.transport="$transport" $lever
-      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS ;;
+        ${DEPTH_LAYERS:+--set model.num_layers=$DEPTH_LAYERS} --set parallel.transport="$transport" $lever
+      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS XMOE_ARRIVAL ;;
   esac
 done
 summary

@@ -205,10 +205,13 @@ def _check(
     np.testing.assert_allclose(float(aux.z_loss), float(z_o), rtol=TOL)
     if par.recv_buffer_factor is None:
         assert int(aux.num_overflow) == 0
-    # the emulated transport pads every peer chunk to T_local * min(K, L) rows, both directions
+    # the emulated transport pads every peer chunk to T_local * min(K, L) rows, both directions;
+    # push puts exactly the routed rows on the wire
     data, peers = (1, 1) if layout is None else layout[:2]
     t_loc, local_e = T // (data * peers), num_e // peers
     want_bytes = 2 * (peers - 1) * t_loc * min(top_k, local_e) * D * 4
+    if par.transport == "push":
+        want_bytes = np.asarray(aux.routed_bytes).reshape(-1)
     np.testing.assert_array_equal(np.asarray(aux.wire_bytes).reshape(-1), want_bytes)
     return {"aux": aux, "grads": g_p, "keep": keep, "sent": sent, "idx": idx, "wts": wts}
 
@@ -276,18 +279,24 @@ def test_dropping_equals_dense_with_per_shard_keep_mask(name: str, cf: float, po
 # ----------------------------------------------------------------------------- receive-buffer overflow
 
 OVERFLOW_CASES = [
-    ("A", 0.25, "strong", (2, 4, 1)),
-    ("B", 0.5, "moderate", (1, 8, 1)),  # sigmoid weights near-tie: queue by position
+    ("A", 0.25, "strong", (2, 4, 1), "auto"),
+    ("B", 0.5, "moderate", (1, 8, 1), "auto"),  # sigmoid weights near-tie: queue by position
+    # expert-major arrival (the push kernel's plan, through its XLA reference on CPU)
+    ("A", 0.5, "moderate", (2, 4, 1), "push"),
 ]
 
 
 @pytest.mark.parametrize(
-    "name, factor, skew, layout", OVERFLOW_CASES, ids=[f"{n}-f{f}-{s}-{m}" for n, f, s, m in OVERFLOW_CASES]
+    "name, factor, skew, layout, transport",
+    OVERFLOW_CASES,
+    ids=[f"{n}-f{f}-{s}-{m}-{t}" for n, f, s, m, t in OVERFLOW_CASES],
 )
-def test_receive_buffer_overflow_is_counted_and_zeroed(name: str, factor: float, skew: str, layout) -> None:
+def test_receive_buffer_overflow_is_counted_and_zeroed(
+    name: str, factor: float, skew: str, layout, transport: str
+) -> None:
     policy = "probs" if name == "A" else "position"
     cfg = dataclasses.replace(CFGS[name], drop_policy=policy)
-    par = ParallelConfig(dispatch="pft", recv_buffer_factor=factor)
+    par = ParallelConfig(dispatch="pft", recv_buffer_factor=factor, transport=transport)
     params, x = _params(cfg, _offsets(cfg.num_experts, skew)), _x(shift=1.0)
     out = _check(cfg, layout, params, x, par)
     aux = out["aux"]
@@ -327,14 +336,15 @@ def test_random_skew_pft_equals_dense(variant: int, offsets: list, x_seed: int) 
 
 
 @functools.cache
-def _in_place_fns(activation: str, impl: str):
+def _in_place_fns(activation: str, impl: str, grouped: bool = False):
     """jax.value_and_grad of arrival_experts on a hand-made receive buffer, and of a dense one-hot
     reference of the same rows; `impl` is the kernels' backend (pallas: interpret mode, whose
-    unwritten output rows are NaN, so a reader of rows nobody owns shows up as NaN)."""
+    unwritten output rows are NaN, so a reader of rows nobody owns shows up as NaN). `grouped`:
+    the rows arrived grouped by expert (push's expert-major arrival), read with no index."""
     from xmoe_jax.moe.experts import _act, arrival_experts
 
     def ours(experts, x_MD, arrival_R, gs_L, cot_MD, received_M):
-        y_MD = arrival_experts(x_MD, arrival_R, experts, gs_L, activation)
+        y_MD = arrival_experts(x_MD, None if grouped else arrival_R, experts, gs_L, activation)
         return jnp.sum(jnp.where(received_M[:, None], y_MD * cot_MD, 0.0)), y_MD
 
     def ref(experts, x_MD, expert_M, cot_MD, received_M):
@@ -349,17 +359,20 @@ def _in_place_fns(activation: str, impl: str):
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
     with pytest.MonkeyPatch.context() as mp:  # the default backend is read while tracing
         mp.setenv("XMOE_KERNELS", impl)
-        compiled = jax.jit(grad(ours)).lower(*_in_place_args(activation)[0]).compile()
+        compiled = jax.jit(grad(ours)).lower(*_in_place_args(activation, grouped)[0]).compile()
     return compiled, jax.jit(grad(ref))
 
 
-def _in_place_args(activation: str):
+def _in_place_args(activation: str, grouped: bool = False):
     """A receive buffer of M = 40 rows from P = 2 sources for L = 3 local experts (one empty
-    segment, one empty expert) with 7 padding rows; (ours' args, ref's args)."""
+    segment, one empty expert) with 7 padding rows, segments in (source, expert) order or, with
+    `grouped`, in (expert, source) order; (ours' args, ref's args)."""
     from xmoe_jax.moe.pft import _arrival_index
 
     m_rows, cc_PL = 40, np.array([[5, 0, 9], [12, 0, 7]], np.int32)
     seg_start_PL = np.concatenate([[0], np.cumsum(cc_PL.reshape(-1))[:-1]]).reshape(cc_PL.shape)
+    if grouped:  # expert l's rows first from source 0, then source 1; experts in order
+        seg_start_PL = np.cumsum(cc_PL.sum(0)) - cc_PL.sum(0) + np.cumsum(cc_PL, axis=0) - cc_PL
     expert_M = np.full(m_rows, 0, np.int32)
     received_M = np.zeros(m_rows, bool)
     for (p, e), n in np.ndenumerate(cc_PL):
@@ -376,14 +389,16 @@ def _in_place_args(activation: str):
     return (experts, x_MD, arrival_R, gs_L, cot_MD, received), (experts, x_MD, expert_M, cot_MD, received)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["source-major", "expert-major"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_experts_read_and_write_received_rows_in_place(activation: str, impl: str) -> None:
+def test_experts_read_and_write_received_rows_in_place(activation: str, impl: str, grouped: bool) -> None:
     """Steps 5-6 with no group / ungroup copy: values on the received rows and gradients (the
     padding rows' input gradient is zero) equal a dense one-hot reference, on XLA and on the
-    Pallas kernels (gathered loads, scattered stores)."""
-    ours, ref = _in_place_fns(activation, impl)
-    args, ref_args = _in_place_args(activation)
+    Pallas kernels: gathered loads and scattered stores for rows in (source, expert) order, plain
+    grouped loads and stores for rows that arrived grouped by expert."""
+    ours, ref = _in_place_fns(activation, impl, grouped)
+    args, ref_args = _in_place_args(activation, grouped)
     (_, y), (g_exp, g_x) = ours(*args)
     (_, y_ref), (g_exp_ref, g_x_ref) = ref(*ref_args)
     received = np.asarray(args[-1])

@@ -112,6 +112,17 @@ def test_a_new_transport_is_one_entry(monkeypatch):
     test_each_record_is_consistent("push")
 
 
+def test_arrival_comes_from_the_record_and_the_env_turns_it_off(monkeypatch):
+    """push lands rows grouped by expert (layouts.compact); XMOE_ARRIVAL=source measures the other;
+    any other value is refused naming the variable."""
+    assert transports.arrival(get("push")) == "expert" and transports.arrival(get("exact")) == "source"
+    monkeypatch.setenv(transports.ARRIVAL_ENV, "source")
+    assert transports.arrival(get("push")) == "source"
+    monkeypatch.setenv(transports.ARRIVAL_ENV, "expert")
+    with pytest.raises(ValueError, match="XMOE_ARRIVAL='expert': use source"):
+        transports.arrival(get("push"))
+
+
 def test_docs_show_the_table():
     assert transports.markdown_table() in (ROOT / "docs" / "exchange.md").read_text()
 

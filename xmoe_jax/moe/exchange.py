@@ -11,7 +11,10 @@ argument convention of `jax.lax.ragged_all_to_all`:
   recv_offsets_P[j]    where peer j's rows land in my receive buffer;
   peer_offsets_P[j]    where the rows I receive from peer j sit in j's send buffer.
 `reverse()` swaps the roles, so the combine path (and every backward pass) sends
-rows back exactly where they came from.
+rows back exactly where they came from. A plan may hold U updates per peer (X = P * U entries,
+peer-major: entry x concerns peer x // U; the `_P` fields are then [X]): expert-major arrival
+(layouts.compact) sends one update per (peer, local expert), so a receiver's rows land grouped
+by expert. `plan_from_segments` builds either; the `exact` and `ragged` movers assume U = 1.
 
 Transports (moe/transports.py holds their records: platforms, process layouts, flags, wire), one
 function (`exchange`, given a record), differentiable through a custom VJP whose backward pass is
@@ -96,14 +99,36 @@ def plan_from_sizes(sizes_PQ: jax.Array, chunk_rows_PQ: jax.Array, me: jax.Array
     """
     chunk_starts_PQ = exclusive_cumsum(chunk_rows_PQ, axis=1)  # dest q's chunk in source p's buffer
     offsets_PQ = exclusive_cumsum(sizes_PQ, axis=0)  # where source p lands at dest q
+    return plan_from_segments(sizes_PQ[..., None], chunk_starts_PQ[..., None], offsets_PQ[..., None], me)
+
+
+def plan_from_segments(
+    sizes_PQU: jax.Array, src_starts_PQU: jax.Array, dst_starts_PQU: jax.Array, me: jax.Array
+) -> Plan:
+    """Device `me`'s plan of U updates per peer, when every device knows every update: update
+    (p, q, u) moves sizes_PQU[p, q, u] rows from row src_starts_PQU[p, q, u] of source p's send
+    buffer to row dst_starts_PQU[p, q, u] of dest q's receive buffer. The plan's fields are [P * U],
+    peer-major (module docstring)."""
+
+    def mine(a_PQU):  # my updates, as sender: [Q * U]
+        return a_PQU[me].reshape(-1)
+
+    def theirs(a_PQU):  # the updates coming to me, as receiver: [P * U]
+        return a_PQU[:, me].reshape(-1)
+
     return Plan(
-        input_offsets_P=chunk_starts_PQ[me],
-        send_sizes_P=sizes_PQ[me],
-        output_offsets_P=offsets_PQ[me],
-        recv_sizes_P=sizes_PQ[:, me],
-        recv_offsets_P=offsets_PQ[:, me],
-        peer_offsets_P=chunk_starts_PQ[:, me],
+        input_offsets_P=mine(src_starts_PQU),
+        send_sizes_P=mine(sizes_PQU),
+        output_offsets_P=mine(dst_starts_PQU),
+        recv_sizes_P=theirs(sizes_PQU),
+        recv_offsets_P=theirs(dst_starts_PQU),
+        peer_offsets_P=theirs(src_starts_PQU),
     )
+
+
+def per_peer(a_X: jax.Array, num_peers: int) -> jax.Array:
+    """[P]: a plan field summed over each peer's updates (the field itself when U = 1)."""
+    return a_X.reshape(num_peers, -1).sum(-1)
 
 
 def move_ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
@@ -121,15 +146,16 @@ def move_ragged(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int)
 
 
 def move_emulated(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
+    """Every update padded to `max_chunk` rows, one dense all_to_all (X = P * U updates, U per peer)."""
     rows_C = jnp.arange(max_chunk, dtype=jnp.int32)
-    src_PC = plan.input_offsets_P[:, None] + rows_C[None, :]
-    src_PC = jnp.where(rows_C[None, :] < plan.send_sizes_P[:, None], src_PC, x_ND.shape[0])
-    chunks_PCD = x_ND.at[src_PC].get(mode="fill", fill_value=0)
-    recv_PCD = jax.lax.all_to_all(chunks_PCD, axis_name, 0, 0)
-    dst_PC = plan.recv_offsets_P[:, None] + rows_C[None, :]
-    dst_PC = jnp.where(rows_C[None, :] < plan.recv_sizes_P[:, None], dst_PC, out_rows)
+    src_XC = plan.input_offsets_P[:, None] + rows_C[None, :]
+    src_XC = jnp.where(rows_C[None, :] < plan.send_sizes_P[:, None], src_XC, x_ND.shape[0])
+    chunks_XCD = x_ND.at[src_XC].get(mode="fill", fill_value=0)
+    recv_XCD = jax.lax.all_to_all(chunks_XCD, axis_name, 0, 0, tiled=True)  # per source, its U for me
+    dst_XC = plan.recv_offsets_P[:, None] + rows_C[None, :]
+    dst_XC = jnp.where(rows_C[None, :] < plan.recv_sizes_P[:, None], dst_XC, out_rows)
     out_MD = jnp.zeros((out_rows, x_ND.shape[1]), x_ND.dtype)
-    return out_MD.at[dst_PC.reshape(-1)].set(recv_PCD.reshape(-1, x_ND.shape[1]), mode="drop")
+    return out_MD.at[dst_XC.reshape(-1)].set(recv_XCD.reshape(-1, x_ND.shape[1]), mode="drop")
 
 
 def split_updates(sizes_P: jax.Array, offsets_P: jax.Array, updates: int) -> tuple[jax.Array, jax.Array]:
@@ -177,10 +203,10 @@ def move_exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) 
 def move_push(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
     from xmoe_jax.kernels.push import push_rows  # the kernel's module imports Mosaic GPU
 
-    meta_3P = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
-    num_peers = plan.send_sizes_P.shape[0]
+    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    num_peers = jax.lax.axis_size(axis_name)  # the plan may hold several updates per peer
     out_MD = push_rows(
-        x_ND, meta_3P, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_chunk
+        x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_chunk
     )
     return match_vma(out_MD, x_ND)[0]
 
@@ -219,21 +245,23 @@ def wire_bytes(
     max_chunk: int,
     out_rows: int | None = None,
     decomposed: bool = False,
+    updates_per_peer: int = 1,
 ) -> jax.Array:
     """Bytes this device puts on the wire to other peers in one exchange (rows to itself stay local).
 
     A transport whose wire is `exact` (`exact`, `ragged`) sends exactly the routed rows (`exact`'s
     CPU emulation pads, but CPU has no wire), or (P-1) whole receive buffers of `out_rows` when XLA
     decomposes its ragged all-to-all (`decomposed`: `parallel.ragged_decomposed`); a `padded` one
-    (`emulated`) sends every padded chunk.
+    (`emulated`) sends every padded chunk (`max_chunk` rows per update, `updates_per_peer` per peer).
     """
-    num_peers = plan.send_sizes_P.shape[0]
+    num_peers = plan.send_sizes_P.shape[0] // updates_per_peer
     if transport.wire == "padded":
-        rows = jnp.asarray((num_peers - 1) * max_chunk, jnp.float32)
+        rows = jnp.asarray((num_peers - 1) * updates_per_peer * max_chunk, jnp.float32)
     elif out_rows is not None and decomposed and transport.ragged_preset is not None:
         rows = jnp.asarray((num_peers - 1) * out_rows, jnp.float32)
     else:
-        rows = (plan.send_sizes_P.sum() - plan.send_sizes_P[me]).astype(jnp.float32)
+        sent_P = per_peer(plan.send_sizes_P, num_peers)
+        rows = (sent_P.sum() - sent_P[me]).astype(jnp.float32)
     return rows * row_bytes
 
 

@@ -12,7 +12,8 @@ rows through an index on load and write them through an index on store.
                     routing weights; d x sums each token's K rows with `combine`.
   arrival_experts   (after an exchange: received rows, each read once) reads x_MD through the
                     grouped -> arrival index and stores each output at its arrival row; d x is
-                    stored back through the same index.
+                    stored back through the same index. Rows that arrived grouped by expert
+                    (no index) are read and written in place.
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ _permute_up.defvjp(_permute_up_fwd, _permute_up_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _gather_up(x_MD, arrival_R, w_up: tuple, group_sizes_E, num_rows: int):
-    """Each up-projection of the rows x_MD[arrival_R[r]] (gather on load, no grouped copy of x_MD);
-    [R, F] per matrix, rows past sum(group_sizes) unspecified. Every x_MD row is read at most
-    once, so d x is one grouped GEMM scattered straight back into x_MD's rows (zeros in the rows
-    nobody reads). Keeps x_MD and the master weights, as `_permute_up` does."""
+    """Each up-projection of the rows x_MD[arrival_R[r]] (gather on load, no grouped copy of x_MD;
+    arrival_R None: x_MD is grouped already); [R, F] per matrix, rows past sum(group_sizes)
+    unspecified. Every x_MD row is read at most once, so d x is one grouped GEMM scattered straight
+    back into x_MD's rows (zeros in the rows nobody reads). Keeps x_MD and the master weights, as
+    `_permute_up` does."""
     del num_rows
     return tuple(
         gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, lhs_rows_R=arrival_R, zero_unwritten=False)
@@ -138,14 +140,19 @@ def _gather_up_bwd(num_rows, res, d_hidden):
     x_MD, arrival_R, w_up, group_sizes_E = res
     d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_MD.dtype)
     dx_MD = gmm(
-        d_RF, w_EDF, group_sizes_E, transpose_rhs=True, out_rows_R=arrival_R, num_out_rows=x_MD.shape[0],
-        zero_unwritten=True,
+        d_RF, w_EDF, group_sizes_E, transpose_rhs=True, zero_unwritten=True, **_stored_at(arrival_R, x_MD.shape[0])
     )  # fmt: skip
     dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E, lhs_rows_R=arrival_R), w_up)
     return dx_MD, None, dw, None
 
 
 _gather_up.defvjp(_gather_up_fwd, _gather_up_bwd)
+
+
+def _stored_at(arrival_R, num_out: int) -> dict:
+    """gmm's scatter-on-store arguments: grouped row r stored at arrival_R[r] of num_out rows, or
+    none (arrival_R None: the output is grouped, like the rows that arrived grouped)."""
+    return {} if arrival_R is None else {"out_rows_R": arrival_R, "num_out_rows": num_out}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -158,7 +165,7 @@ def _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out: int, act
     cotangent rows through the same index (d act and d w read them in place)."""
     act_RF = _act(*hidden, activation)
     w = w_EFD.astype(act_RF.dtype)
-    return gmm(act_RF, w, group_sizes_E, out_rows_R=arrival_R, num_out_rows=num_out, zero_unwritten=False)
+    return gmm(act_RF, w, group_sizes_E, zero_unwritten=False, **_stored_at(arrival_R, num_out))
 
 
 def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation):
@@ -283,8 +290,9 @@ def arrival_experts(
 ) -> jax.Array:
     """Experts over rows that stay where they arrived: grouped row r (grouped by expert, group e
     going through expert e) is x_MD[arrival_R[r]], and its output is stored at row arrival_R[r] of
-    the [M, D] result, for r < sum(group_sizes_E). Rows of the result that no grouped row writes
-    are unspecified (the reverse exchange does not read them).
+    the [M, D] result, for r < sum(group_sizes_E). arrival_R None: the rows arrived grouped
+    (grouped row r is x_MD[r]). Rows of the result that no grouped row writes are unspecified (the
+    reverse exchange does not read them).
 
     Gather on load into the up-projections and scatter on store out of the down-projection
     (kernels.gmm's row indices): no grouped copy of x_MD and no ungrouped copy of the output, in
@@ -296,7 +304,10 @@ def arrival_experts(
     num_rows = x_MD.shape[0]
     recipe = fp8_context.recipe_for("experts")
     with jax.named_scope("experts"):  # the name profiles and HLO metadata show
-        if recipe is not None:  # group, run the FP8 experts, put back in arrival order
+        if recipe is not None and arrival_R is None:  # grouped already; rows past the sum are zeroed
+            live_M = jnp.arange(num_rows) < jnp.sum(gs_E)  # (unwritten: no NaN may reach a scale)
+            y_MD = _fp8_experts(jnp.where(live_M[:, None], x_MD, 0), experts, gs_E, activation, recipe)
+        elif recipe is not None:  # group, run the FP8 experts, put back in arrival order
             grouped_M = _grouped_rows(arrival_R, gs_E, num_rows)
             y_RD = _fp8_experts(
                 permute(x_MD, grouped_M, arrival_R.shape[0]), experts, gs_E, activation, recipe

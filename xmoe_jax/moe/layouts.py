@@ -9,10 +9,15 @@ both layouts decide on device, identically everywhere, which copies fit and wher
 row goes. A copy that does not fit is not sent: it is counted (`num_overflow`) and
 contributes zero (a dropless trainer then reruns the step with bigger buffers).
 
-compact  (transports `exact`, `ragged`, `emulated`): the send buffer is expert-major [A, D]; each
-         destination has a static M-row receive buffer filled in (source, local expert)
-         order; one ragged exchange (exchange.py) moves exactly the rows that fit. The
-         binding limit is the total a destination receives.
+compact  (transports `exact`, `ragged`, `emulated`, `push`): the send buffer is expert-major
+         [A, D]; each destination has a static M-row receive buffer, whose rows fit in
+         (source, local expert) order; one ragged exchange (exchange.py) moves exactly the rows
+         that fit. The binding limit is the total a destination receives. Where they land is
+         the transport's `arrival` (transports.arrival): `source`, one update per peer, so
+         a receiver holds segments in (source, local expert) order and the experts read them
+         through an index; `expert`, one update per (peer, local expert), so a receiver holds
+         them grouped by local expert (sources in order within each) and the experts' grouped
+         GEMMs read and write them in place (`grouped`).
 chunked  (transport `bucketed`): the send buffer is P chunks of C rows, one per
          destination, each in (local expert, queue) order; one dense `all_to_all` moves
          exactly P*C rows, so the wire carries C rows per pair whatever the routing: with
@@ -33,7 +38,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_sizes, wire_bytes
+from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_segments, plan_from_sizes, wire_bytes
+from xmoe_jax.moe.transports import arrival
 
 
 class ExchangeLayout(NamedTuple):
@@ -49,6 +55,7 @@ class ExchangeLayout(NamedTuple):
     routed_rows: jax.Array  # rows the routing sent off this device per direction
     peak_rows: jax.Array  # rows the binding buffer had to hold (fits when <= buffer_rows)
     buffer_rows: int  # the binding buffer's rows: M (compact) or C (chunked)
+    grouped: bool = False  # the received rows are grouped by local expert: seg_start_PL is expert-major
 
 
 def _counts(topk_idx_TK, keep_TK, num_experts, axis_name, num_peers):
@@ -71,23 +78,32 @@ def compact(
     flat_QX = block_PQL.transpose(1, 0, 2).reshape(num_peers, num_peers * local_e)
     cc_QX = jnp.clip(num_recv - exclusive_cumsum(flat_QX), 0, flat_QX)
     cc_PQL = cc_QX.reshape(num_peers, num_peers, local_e).transpose(1, 0, 2)
-    plan = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me)
-    sent_E = cc_PQL[me].reshape(num_experts)  # rows of each expert that fit at their destination
     cc_PL = cc_PQL[:, me, :]
-    sent = plan.send_sizes_P.sum() - plan.send_sizes_P[me]
+    grouped = arrival(transport) == "expert"
+    if grouped:  # update (p, q, l): the first cc rows of p's queue for expert (q, l) -> q's group l
+        src_PQL = exclusive_cumsum(block_PQL.reshape(num_peers, num_experts), axis=1).reshape(block_PQL.shape)
+        dst_PQL = exclusive_cumsum(cc_PQL.sum(0), axis=1)[None] + exclusive_cumsum(cc_PQL, axis=0)
+        plan, updates = plan_from_segments(cc_PQL, src_PQL, dst_PQL, me), local_e
+        seg_start_PL, max_piece = dst_PQL[:, me, :], num_tokens  # a token sends an expert one copy
+    else:  # one update per peer: segments in (source, local expert) order
+        plan, updates = plan_from_sizes(cc_PQL.sum(-1), block_PQL.sum(-1), me), 1
+        seg_start_PL, max_piece = exclusive_cumsum(cc_PL.reshape(-1)).reshape(cc_PL.shape), max_chunk
+    sent_E = cc_PQL[me].reshape(num_experts)  # rows of each expert that fit at their destination
+    sent_Q = cc_PQL[me].sum(-1)
     return ExchangeLayout(
         dest_TK=dest_TK,
         num_send=num_send,
         sent_TK=keep_TK & (pos_TK < sent_E[topk_idx_TK]),
         num_recv=num_recv,
         cc_PL=cc_PL,
-        seg_start_PL=exclusive_cumsum(cc_PL.reshape(-1)).reshape(cc_PL.shape),
-        forward=lambda x: exchange(x, plan, num_recv, num_send, axis_name, transport, max_chunk),
-        backward=lambda y: exchange(y, plan.reverse(), num_send, num_recv, axis_name, transport, max_chunk),
-        wire_rows=wire_bytes(plan, me, 1, transport, max_chunk, num_recv, decomposed),
-        routed_rows=sent.astype(jnp.float32),
+        seg_start_PL=seg_start_PL,
+        forward=lambda x: exchange(x, plan, num_recv, num_send, axis_name, transport, max_piece),
+        backward=lambda y: exchange(y, plan.reverse(), num_send, num_recv, axis_name, transport, max_piece),
+        wire_rows=wire_bytes(plan, me, 1, transport, max_piece, num_recv, decomposed, updates),
+        routed_rows=(sent_Q.sum() - sent_Q[me]).astype(jnp.float32),
         peak_rows=block_PQL[:, me, :].sum(),
         buffer_rows=num_recv,
+        grouped=grouped,
     )
 
 

@@ -16,11 +16,13 @@ Steps:
      would overflow it, the rows past M (in source-then-expert order) are not sent,
      counted as `num_overflow`, and contribute zero: never silently;
   4. one ragged exchange moves exactly the routed rows (exchange.py);
-  5. received rows, ordered (source, local expert), stay where they arrived: the local
-     experts run as grouped GEMMs that read them through a grouped -> arrival row index
+  5. received rows stay where they arrived. Where the transport lands them grouped by local
+     expert (`arrival: expert`, the push kernel: layouts.compact), the local experts' grouped
+     GEMMs read and write them in place, with no index at all. Landed in (source, local
+     expert) order, the GEMMs read them through a grouped -> arrival row index
      (`_arrival_index`; gather on load, no expert-major copy);
-  6. the down-projection stores each output at its arrival row (scatter on store, no
-     ungrouping copy); the outputs go back by the reverse exchange and are combined with
+  6. the down-projection stores each output at its arrival row (in place, or scatter on store:
+     no ungrouping copy); the outputs go back by the reverse exchange and are combined with
      the routing weights (combine kernel, float32 accumulation). Receive-buffer rows that
      hold no row stay unwritten in both passes' outputs; nothing reads them.
 With one peer there is no exchange: steps 5-6 are the experts and the combine in one piece
@@ -190,7 +192,7 @@ def pft_stages(
         send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
         yield "exchange", (x_recv_MD,)
         # the experts read the received rows in place and write their outputs back in place
-        arrival_M = _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
+        arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
         y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)
         yield "experts", (y_recv_MD,)
         y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)

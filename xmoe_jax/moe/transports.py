@@ -28,6 +28,7 @@ Off GPU the collectives serve every layout, so only `gpu_processes` is recorded.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +69,10 @@ class Transport:
     auto_on: tuple[str, ...] | None = ()  # platforms where `auto` may pick it (None: every one)
     auto_rank: int = 0  # among those, the lowest wins
     buffers_shrink: bool = True  # the buffer ladder may shrink its buffers (False: grows only, rarely)
+    # compact layout: how received rows land. `source`: in (source, local expert) order, read by the
+    # experts through an index; `expert`: grouped by local expert (one update per peer and local
+    # expert), so the experts' GEMMs read and write them in place (layouts.compact)
+    arrival: Literal["source", "expert"] = "source"
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
@@ -126,6 +131,7 @@ TABLE: dict[str, Transport] = {
             fallback="bucketed",
             across_nodes="emulated",
             buffers_shrink=False,  # one receive buffer per run: grown on overflow, never shrunk
+            arrival="expert",  # its updates are cheap to split per local expert (benchmarks/exchange.md)
         ),
         Transport(
             "emulated",
@@ -199,6 +205,18 @@ def refusal(t: Transport, platform: str, processes: str, num_processes: int = 1)
     return f"parallel.transport={t.name} runs {t.runs}, which {need}; {have}; use parallel.transport={t.fallback} (or auto)"
 
 
+ARRIVAL_ENV = "XMOE_ARRIVAL"  # `source`: a transport that lands rows expert-major lands them source-major
+
+
+def arrival(t: Transport) -> str:
+    """How `t`'s received rows land (`source` or `expert`; the record's `arrival`).
+    XMOE_ARRIVAL=source turns expert-major arrival off, for measuring it against the other."""
+    forced = os.environ.get(ARRIVAL_ENV) or None
+    if forced not in (None, "source"):
+        raise ValueError(f"{ARRIVAL_ENV}={forced!r}: use source (or unset it for each transport's own arrival)")
+    return forced or t.arrival
+
+
 def ragged_preset(requested: str) -> str | None:
     """The ragged all-to-all preset `requested` asks for (None: no preference, the library default).
     `auto`: the best-ranked preset among the transports it may pick, else XLA's own (`default`: no
@@ -224,15 +242,15 @@ def markdown_table() -> str:
         return "every" if values is None or values == every else ", ".join(values)
 
     rows = [
-        "| transport | layout | wire | platforms | processes on GPU | XLA preset, flags | fallback | auto |",
-        "|---|---|---|---|---|---|---|---|",
+        "| transport | layout | arrival | wire | platforms | processes on GPU | XLA preset, flags | fallback | auto |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in TABLE.values():
         flags = [t.ragged_preset] if t.ragged_preset else []
         flags += [f"`--{k}={v}`" for k, v in t.xla_flags]
         auto = "never" if t.auto_on == () else f"{words(t.auto_on)} (rank {t.auto_rank})"
         rows.append(
-            f"| `{t.name}` | {t.layout} | {t.wire} | {words(t.platforms)} | "
+            f"| `{t.name}` | {t.layout} | {t.arrival if t.layout == 'compact' else '-'} | {t.wire} | {words(t.platforms)} | "
             f"{words(t.gpu_processes, PROCESS_LAYOUTS)} | {', '.join(flags) or '-'} | "
             f"{f'`{t.fallback}`' if t.fallback else '-'} | {auto} |"
         )
