@@ -402,7 +402,9 @@ def test_experts_read_and_write_received_rows_in_place(activation: str, impl: st
     (_, y), (g_exp, g_x) = ours(*args)
     (_, y_ref), (g_exp_ref, g_x_ref) = ref(*ref_args)
     received = np.asarray(args[-1])
-    assert rel_err(np.asarray(y)[received], np.asarray(y_ref)[received]) < TOL
-    assert rel_err(g_x, g_x_ref) < TOL and not np.any(np.asarray(g_x)[~received])
+    # on a GPU, float32 GEMMs run as TF32 (3-7e-4 measured on an H200: results/inplace_experts_1xh200_tf32.log)
+    tol = TOL if jax.default_backend() == "cpu" else 2e-3
+    assert rel_err(np.asarray(y)[received], np.asarray(y_ref)[received]) < tol
+    assert rel_err(g_x, g_x_ref) < tol and not np.any(np.asarray(g_x)[~received])
     for name in g_exp:
-        assert rel_err(g_exp[name], g_exp_ref[name]) < TOL, name
+        assert rel_err(g_exp[name], g_exp_ref[name]) < tol, name

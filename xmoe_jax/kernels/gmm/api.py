@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.kernels import backends, defaults  # module imports: backends.py imports this package's kernels
-from xmoe_jax.kernels.gmm.xla import live_rows
+from xmoe_jax.kernels.gmm.xla import gather_rows, live_rows
 from xmoe_jax.kernels.validation import (
     check_gmm_args,
     check_out_rows,
@@ -87,9 +87,10 @@ def _gmm_impl(lhs_LK, rhs_EKN, group_sizes_E, lhs_rows_R, out_rows_R, st: _Stati
     )  # fmt: skip
 
 
-def _gathered(x_XK, rows_R):
-    """x's rows in grouped order (rows past the groups are never read: any index, filled with 0)."""
-    return x_XK if rows_R is None else x_XK.at[rows_R].get(mode="fill", fill_value=0)
+def gathered(x_XK, rows_R):
+    """x's rows in grouped order, or x itself without an index (rows past the groups are never
+    read: any index, filled with 0)."""
+    return x_XK if rows_R is None else gather_rows(x_XK, rows_R)
 
 
 def _tgmm_impl(lhs_LK, grad_GN, group_sizes_E, lhs_rows_R, grad_rows_R, impl, out_dt, tile):
@@ -97,8 +98,8 @@ def _tgmm_impl(lhs_LK, grad_GN, group_sizes_E, lhs_rows_R, grad_rows_R, impl, ou
     e_dim, k_dim, n_dim = group_sizes_E.shape[0], lhs_LK.shape[1], grad_GN.shape[1]
     out_EKN = jax.ShapeDtypeStruct((e_dim, k_dim, n_dim), out_dt)
     if not defaults.tgmm_gathers_in_kernel():  # XLA gathers the rows, the plain kernel reduces them
-        lhs_LK, lhs_rows_R = _gathered(lhs_LK, lhs_rows_R), None
-        grad_GN, grad_rows_R = _gathered(grad_GN, grad_rows_R), None
+        lhs_LK, lhs_rows_R = gathered(lhs_LK, lhs_rows_R), None
+        grad_GN, grad_rows_R = gathered(grad_GN, grad_rows_R), None
     indexed = lhs_rows_R is not None or grad_rows_R is not None
     call = backends.Call("tgmm", (lhs_LK, grad_GN, out_EKN), k_dim, n_dim, tile, indexed=indexed)
     backend = backends.choose_backend(impl, call)

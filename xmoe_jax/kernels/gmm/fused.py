@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from xmoe_jax.kernels import backends, defaults
 from xmoe_jax.kernels.gmm.activation import act_grad_rows, act_rows, num_matrices
-from xmoe_jax.kernels.gmm.api import _gathered, gmm, tgmm
+from xmoe_jax.kernels.gmm.api import gathered, gmm, tgmm
 from xmoe_jax.kernels.gmm.pallas import gmm_pallas, tgmm_pallas
 from xmoe_jax.kernels.vma import match_vma
 
@@ -128,7 +128,7 @@ def tgmm_act(
         return tgmm(act_rows(hidden_RH, activation), dy_GN, group_sizes_E, grad_rows_R=grad_rows_R,
                     implementation=implementation, tile=tile)  # fmt: skip
     if grad_rows_R is not None and not defaults.tgmm_gathers_in_kernel():  # as api.py's tgmm: XLA gathers
-        dy_GN, grad_rows_R = _gathered(dy_GN, grad_rows_R), None
+        dy_GN, grad_rows_R = gathered(dy_GN, grad_rows_R), None
     tile = backend.tile("tgmm_act", tile)
     return tgmm_pallas(
         hidden_RH, dy_GN, group_sizes_E, out_dtype=dy_GN.dtype, tile=tile, grad_rows_R=grad_rows_R,
