@@ -1,0 +1,181 @@
+"""Our warp-specialized Mosaic-GPU grouped GEMM (xmoe_jax/kernels/gmm/mgpu_ws.py) against its peers.
+
+    python scripts/bench_gmm_ws.py --out ws.json                  # one Hopper GPU, about 3 minutes
+    python scripts/bench_gmm_ws.py --tiny --out ws.json           # CPU dry run: references only
+
+Cases (bf16, the paper's Small expert shapes, 16,384 tokens x top-6 = 98,304 grouped rows): `ep1` 64
+experts, `ep4` 16 local experts (what a GPU of EP 4 holds; with push's expert-major arrival its
+GEMMs are plain grouped GEMMs like these); passes: the up-projection forward (K 2048, N 1408), the
+down-projection forward (K 1408, N 2048) and the up-projection's data gradient (rhs transposed).
+Group sizes: a random multinomial near uniform, all rows routed.
+
+Steps: 1. correctness first: every kernel config against a float32 XLA reference on a skewed case
+(empty groups, rows past the sum), relative error on the rows < sum(group_sizes); 2. time a dense
+matmul of the same FLOPs, the layer's default kernel (Pallas on GPU), JAX's Mosaic ragged dot, each
+kernel config and `torch._grouped_mm` (CUTLASS) on the same rows; 3. print one table, TFLOP/s and
+the ratio to torch. Every row goes to the JSON as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # torch measures in the same process
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from xmoe_jax.kernels import defaults, gmm  # noqa: E402
+from xmoe_jax.kernels.gmm import mgpu_ws  # noqa: E402
+from xmoe_jax.kernels.gmm.xla import gmm_xla  # noqa: E402
+from xmoe_jax.perf.gather_bench import _torch_grouped_ms  # noqa: E402
+from xmoe_jax.perf.timing import environment, time_fn  # noqa: E402
+
+W = mgpu_ws.WsConfig
+CONFIGS = {  # name: config (shared memory: stages x (cta_m + cta_n) x tile_k x 2 B, plus the output tiles)
+    "m64x128s4": W(64, 128, 64, 4, "m"),
+    "m64x128s5": W(64, 128, 64, 5, "m"),
+    "m128x128s3": W(128, 128, 64, 3, "m"),
+    "n128x64s4": W(128, 64, 64, 4, "n"),
+    "n128x128s3": W(128, 128, 64, 3, "n"),
+    "m64x64s6": W(64, 64, 64, 6, "m"),
+}
+PASSES = {  # name: (K, N, transpose_rhs)
+    "up_fwd": (2048, 1408, False),
+    "down_fwd": (1408, 2048, False),
+    "up_dgrad": (1408, 2048, True),
+}
+
+
+def _randn(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _sizes(rows: int, experts: int, seed: int, skewed: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if not skewed:
+        return rng.multinomial(rows, np.ones(experts) / experts).astype(np.int32)
+    p = rng.random(experts) ** 3
+    p[rng.choice(experts, max(experts // 4, 1), replace=False)] = 0.0  # empty groups
+    return rng.multinomial(int(rows * 0.9), p / p.sum()).astype(np.int32)  # 10% of rows past the sum
+
+
+def _operands(rows, experts, k_dim, n_dim, transpose, seed):
+    lhs = _randn(seed, (rows, k_dim))
+    rhs = _randn(seed + 1, (experts, n_dim, k_dim) if transpose else (experts, k_dim, n_dim))
+    return lhs, rhs
+
+
+class Recorder:
+    def __init__(self, path):
+        self.path, self.rows = path, []
+
+    def add(self, **row):
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump({"env": environment(), "rows": self.rows}, f, indent=1)
+
+
+def check(rec, configs, rows, experts, on_gpu):
+    """Every config and pass on a skewed case against float32 XLA (rows < sum(group_sizes))."""
+    for pass_, (k_dim, n_dim, transpose) in PASSES.items():
+        gs = jnp.asarray(_sizes(rows, experts, 7, skewed=True))
+        lhs, rhs = _operands(rows, experts, k_dim, n_dim, transpose, 11)
+        live = int(gs.sum())
+        f32 = jnp.float32
+        ref = gmm_xla(lhs.astype(f32), rhs.astype(f32), gs, out_dtype=f32, transpose_rhs=transpose)
+        for name, cfg in configs.items():
+            if not on_gpu:
+                rec.add(check=pass_, config=name, skipped="the kernel needs a Hopper GPU")
+                continue
+            try:
+                fn = jax.jit(lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t))
+                out = fn(lhs, rhs, gs)
+                err = _rel(np.asarray(out[:live], np.float32), np.asarray(ref[:live]))
+                rec.add(check=pass_, config=name, rel_err=err, ok=bool(err < 1e-2))
+            except Exception as e:  # a config that does not fit shared memory is a result
+                rec.add(check=pass_, config=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch):
+    gs_np = _sizes(rows, experts, 3, skewed=False)
+    gs = jnp.asarray(gs_np)
+    for pass_, (k_dim, n_dim, transpose) in PASSES.items():
+        lhs, rhs = _operands(rows, experts, k_dim, n_dim, transpose, 5)
+        flops = 2.0 * rows * k_dim * n_dim
+        key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=k_dim, n=n_dim)
+
+        def timed(variant, fn, *args):
+            try:
+                ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
+                rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:
+                rec.add(**key, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+        dense_w = _randn(9, (k_dim, n_dim))
+        timed("dense_same_flops", jax.jit(lambda a, b: a @ b), lhs, dense_w)
+        ours = f"default_{defaults.default_implementation('gmm')}"  # the layer's kernel (pallas on GPU)
+        timed(ours, jax.jit(lambda a, b, g, t=transpose: gmm(a, b, g, transpose_rhs=t)), lhs, rhs, gs)
+        if on_gpu:
+            timed(
+                "jax_mosaic_ragged_dot",
+                jax.jit(lambda a, b, g, t=transpose: gmm(a, b, g, transpose_rhs=t, implementation="mgpu")),
+                lhs,
+                rhs,
+                gs,
+            )
+            for name, cfg in configs.items():
+                fn = jax.jit(lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t))
+                timed(f"ws_{name}", fn, lhs, rhs, gs)
+        if use_torch and not transpose:
+            ms = _torch_grouped_ms(rows, k_dim, n_dim, gs_np, iters)
+            if ms is not None:
+                rec.add(**key, variant="torch_grouped_mm", ms=ms, tflops=flops / ms / 1e9)
+
+
+def table(rows) -> str:
+    timed = [r for r in rows if "tflops" in r]
+    out = ["| case / pass | variant | ms | TFLOP/s | x torch |", "|---|---|---:|---:|---:|"]
+    for case, pass_ in dict.fromkeys((r["case"], r["pass_"]) for r in timed):
+        group = [r for r in timed if (r["case"], r["pass_"]) == (case, pass_)]
+        torch_ms = next((r["ms"] for r in group if r["variant"] == "torch_grouped_mm"), None)
+        for r in group:
+            ratio = f"{torch_ms / r['ms']:.2f}" if torch_ms else "-"
+            out.append(f"| {case} {pass_} | {r['variant']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} |")
+    errs = [r for r in rows if "check" in r]
+    worst = max((r.get("rel_err", 0.0) for r in errs), default=0.0)
+    bad = [f"{r['check']}/{r['config']}" for r in errs if r.get("ok") is False or "error" in r]
+    out.append(f"\ncorrectness: worst relative error {worst:.2e}; failed or refused: {', '.join(bad) or 'none'}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--configs", default=None, help="comma-separated names of CONFIGS (default: all)")
+    p.add_argument("--tiny", action="store_true", help="small shapes (the CPU dry run)")
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    configs = {k: CONFIGS[k] for k in (args.configs.split(",") if args.configs else CONFIGS)}
+    rec = Recorder(args.out)
+    rows, cases = (512, {"ep1": 8, "ep4": 4}) if args.tiny else (98_304, {"ep1": 64, "ep4": 16})
+    check(rec, configs, rows, cases["ep1"], on_gpu)
+    for case, experts in cases.items():
+        bench(rec, configs, case, rows, experts, args.iters, on_gpu, not args.no_torch)
+    print(table(rec.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Our grouped GEMM for Hopper: a warp-specialized Pallas Mosaic-GPU kernel (TMA loads, wgmma).
+
+Legend: R grouped rows, K contraction, N output columns, E experts (groups), I work items,
+T = 2 compute warpgroups (consumers), one memory warpgroup (producer).
+
+    out_RN = gmm_ws(lhs_RK, rhs_EKN, group_sizes_E, out_dtype=..., config=WsConfig(...))
+    # out[r] = lhs[r] @ rhs[group(r)] for r < sum(group_sizes); rows past the sum unwritten
+
+Why: on one GPU the expert GEMMs are the limit (benchmarks/fused.md): our Triton-lowered Pallas kernel
+runs 433-483 TFLOP/s forward where CUTLASS's `torch._grouped_mm` runs 589-637 on the same rows, and JAX's
+bundled Mosaic `ragged_dot` (gmm/mgpu.py) one warpgroup with no producer runs 36-45% of a dense matmul.
+This kernel has the structure of JAX's dense Hopper matmul (`hopper_matmul_mgpu.py`): a persistent grid of
+one CTA per SM, a memory warpgroup streaming lhs and rhs tiles by TMA through a ring of shared-memory
+stages, and two compute warpgroups each accumulating half the CTA tile with wgmma; it adds groups.
+
+Groups: the work list is gmm's (metadata.py): item i is a (group, row tile) pair with a non-empty
+overlap, computed on the device before the launch and packed as int32 [4, I] (group, row tile, first
+valid row of the tile, valid rows). The CTA loop walks (item, N tile) pairs; an idle item (past the real
+count) is skipped by all three warpgroups alike. A tile that straddles a group boundary is computed with
+its group's weights over all its rows (TMA loads whole tiles; rows past R read zeros) and only the rows of
+its group are stored: from an unswizzled shared-memory tile as a ladder of power-of-two-row TMA stores
+(the static shapes a bulk copy needs; JAX's ragged_dot stores the same way). Rows past sum(group_sizes)
+are neither computed nor stored.
+
+Needs: NVIDIA Hopper, equal 16-bit input dtypes, K % tile_k == 0, N % (CTA tile N) == 0. No row
+indices (Hopper's TMA has no gather): an indexed call takes the Pallas kernel (backends.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from xmoe_jax.kernels.gmm.metadata import make_group_metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """Tile and launch parameters. `split`: how the two compute warpgroups divide the CTA tile: `m`
+    (each tile_m rows of 2 * tile_m, all tile_n columns) or `n` (all tile_m rows, tile_n of 2 * tile_n)."""
+
+    tile_m: int = 64
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 4
+    split: Literal["m", "n"] = "m"
+    snake_width: int = 8  # planar snake over (item, N tile): rows of this many items per sweep
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (2 if self.split == "n" else 1)
+
+
+def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig) -> str | None:
+    """Why the kernel cannot take this call, or None."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"needs bfloat16/float16 inputs, got {jnp.dtype(dtype)}"
+    if k_dim % config.tile_k:
+        return f"K={k_dim} is not a multiple of tile_k={config.tile_k}"
+    if n_dim % config.cta_n:
+        return f"N={n_dim} is not a multiple of the CTA's {config.cta_n} columns"
+    return None
+
+
+def work_items(group_sizes_E: jax.Array, num_rows: int, cta_m: int) -> jax.Array:
+    """int32 [4, I]: per work item its group, row tile, first row to store and rows to store (0: idle)."""
+    meta = make_group_metadata(group_sizes_E, num_rows, cta_m)
+    group_I, tile_I = meta.item_group_I, meta.item_tile_I
+    lo_I = jnp.maximum(meta.group_start_G[group_I], tile_I * cta_m)
+    hi_I = jnp.minimum(meta.group_end_G[group_I], (tile_I + 1) * cta_m)
+    count_I = jnp.maximum(hi_I - lo_I, 0)
+    num_groups = group_sizes_E.shape[0]
+    return jnp.stack([jnp.minimum(group_I, num_groups - 1), tile_I, lo_I, count_I]).astype(jnp.int32)
+
+
+def _num_sms() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 132)
+
+
+def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items: int, transpose_rhs: bool):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    dtype = a_gmem.dtype
+    out_dtype = out_gmem.dtype
+    k_dim = a_gmem.shape[1]
+    n_dim = out_gmem.shape[1]
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    cta_m, cta_n = config.cta_m, config.cta_n
+    n_iters, k_iters = n_dim // cta_n, k_dim // tile_k
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    b_block = (cta_n, tile_k) if transpose_rhs else (tile_k, cta_n)
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(
+                    b_block,
+                    (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0)),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.stages,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731  the functions do not change the allocations
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_items * n_iters,), collective_axes="cluster_grid")
+        def _tile_loop(loop_info):
+            (lin,) = loop_info.index
+            item, n_idx = plgpu.planar_snake(lin, (num_items, n_iters), 1, config.snake_width)
+            group, tile = meta_gmem[0, item], meta_gmem[1, item]
+            row_lo, rows = meta_gmem[2, item], meta_gmem[3, item]
+
+            @pl.when(rows > 0)
+            def _work():
+                cta_rows = pl.ds(tile * cta_m, cta_m)
+                cta_cols = pl.ds(n_idx * cta_n, cta_n)
+                if config.split == "m":
+                    wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
+                    wg_row0, wg_col0 = tile * cta_m + wg * tile_m, n_idx * cta_n
+                else:
+                    wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+                    wg_row0, wg_col0 = tile * cta_m, n_idx * cta_n + wg * tile_n
+                # this warpgroup's rows to store: [first, first + count) of its tile_m
+                first = jnp.clip(row_lo - wg_row0, 0, tile_m)
+                count = jnp.clip(row_lo + rows - wg_row0, 0, tile_m) - first
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        eval_pipeline(acc_ref)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read out_smem
+                        out_smem[wg] = acc_ref[...].astype(out_dtype)
+                        plgpu.commit_smem()
+                        start, size = first, tile_m
+                        while size >= 1:  # the rows as power-of-two TMA stores (static shapes)
+
+                            @pl.when((count & size) != 0)
+                            def _store(start=start, size=size):
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, pl.ds(start, size)],
+                                    out_gmem.at[pl.ds(wg_row0 + start, size), pl.ds(wg_col0, tile_n)],
+                                )
+
+                            start = start + (count & size)
+                            size //= 2
+
+                def mma_body(_, a_smem, b_smem, acc_ref):
+                    b_tile = b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
+                    if transpose_rhs:
+                        b_tile = plgpu.transpose_ref(b_tile, (1, 0))
+                    plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_tile)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                b_cols = b_gmem.at[group]
+                b_cols = b_cols.at[cta_cols, :] if transpose_rhs else b_cols.at[:, cta_cols]
+                get_pipeline(mma_body, compute_context)(
+                    a_gmem.at[cta_rows, :], b_cols, allocations=pipeline_allocs
+                )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm_ws(
+    lhs_RK: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    *,
+    out_dtype=None,
+    config: WsConfig = WsConfig(),
+    transpose_rhs: bool = False,
+) -> jax.Array:
+    """[R, N]: out[r] = lhs[r] @ rhs[group(r)] (rhs [E, N, K] and its transpose with `transpose_rhs`)
+    for r < sum(group_sizes); the other rows are left unwritten. Module docstring for the rest."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    num_rows, k_dim = lhs_RK.shape
+    n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+    reason = shape_reason(lhs_RK.dtype, k_dim, n_dim, config)
+    if reason or lhs_RK.dtype != rhs_EKN.dtype:
+        raise ValueError(f"gmm_ws: {reason or 'lhs and rhs dtypes differ'}")
+    meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
+    num_items = meta_4I.shape[1]
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, config=config, num_items=num_items, transpose_rhs=transpose_rhs),
+        out_type=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype or lhs_RK.dtype),
+        grid=(_num_sms(),),
+        grid_names=("cluster_grid",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="xmoe_gmm_ws",
+    )
+    return kernel(meta_4I, lhs_RK, rhs_EKN)
