@@ -36,12 +36,20 @@ from xmoe_jax.perf.timing import environment, time_fn  # noqa: E402
 
 W = mgpu_ws.WsConfig
 CONFIGS = {  # name: config (shared memory: stages x (cta_m + cta_n) x tile_k x 2 B, plus the output tiles)
-    "m64x128s4": W(64, 128, 64, 4, "m"),
+    # measured first (results/gmm_ws_v1_1xh200.json): the best per pass of six
     "m64x128s5": W(64, 128, 64, 5, "m"),
     "m128x128s3": W(128, 128, 64, 3, "m"),
     "n128x64s4": W(128, 64, 64, 4, "n"),
     "n128x128s3": W(128, 128, 64, 3, "n"),
-    "m64x64s6": W(64, 64, 64, 6, "m"),
+    # one wgmma left in flight per step
+    "m64x128s5f1": W(64, 128, 64, 5, "m", in_flight=1),
+    "m128x128s3f1": W(128, 128, 64, 3, "m", in_flight=1),
+    "n128x64s4f1": W(128, 64, 64, 4, "n", in_flight=1),
+    "n128x128s3f1": W(128, 128, 64, 3, "n", in_flight=1),
+    # the epilogue in 32-column stores: room for a fourth stage at 256 x 128 and 128 x 256
+    "m128x128s4e32f1": W(128, 128, 64, 4, "m", in_flight=1, epi_n=32),
+    "n128x128s4e32f1": W(128, 128, 64, 4, "n", in_flight=1, epi_n=32),
+    "m64x128s6e32f1": W(64, 128, 64, 6, "m", in_flight=1, epi_n=32),
 }
 PASSES = {  # name: (K, N, transpose_rhs)
     "up_fwd": (2048, 1408, False),

@@ -49,6 +49,8 @@ class WsConfig:
     stages: int = 4
     split: Literal["m", "n"] = "m"
     snake_width: int = 8  # planar snake over (item, N tile): rows of this many items per sweep
+    in_flight: int = 0  # wgmmas left running when a step returns (its stage is released that much later)
+    epi_n: int | None = None  # columns per epilogue store (None: tile_n); smaller frees shared memory
 
     @property
     def cta_m(self) -> int:
@@ -103,6 +105,7 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
     b_block = (cta_n, tile_k) if transpose_rhs else (tile_k, cta_n)
+    epi_n = config.epi_n or tile_n
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -110,12 +113,19 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
             grid=(k_iters,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(
+                    (cta_m, tile_k),
+                    lambda k: (0, k),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                    delay_release=config.in_flight,
+                ),
                 plgpu.BlockSpec(
                     b_block,
                     (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0)),
                     transforms=transforms,
                     memory_space=plgpu.SMEM,
+                    delay_release=config.in_flight,
                 ),
             ],
             wg_axis="wg",
@@ -129,7 +139,7 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype),
+        out_smem=plgpu.SMEM((2, tile_m, epi_n), out_dtype),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem):
@@ -160,28 +170,30 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read out_smem
-                        out_smem[wg] = acc_ref[...].astype(out_dtype)
-                        plgpu.commit_smem()
-                        start, size = first, tile_m
-                        while size >= 1:  # the rows as power-of-two TMA stores (static shapes)
+                        acc = acc_ref[...].astype(out_dtype)
+                        for col in range(0, tile_n, epi_n):
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read out_smem
+                            out_smem[wg] = acc[:, col : col + epi_n]
+                            plgpu.commit_smem()
+                            start, size = first, tile_m
+                            while size >= 1:  # the rows as power-of-two TMA stores (static shapes)
 
-                            @pl.when((count & size) != 0)
-                            def _store(start=start, size=size):
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, pl.ds(start, size)],
-                                    out_gmem.at[pl.ds(wg_row0 + start, size), pl.ds(wg_col0, tile_n)],
-                                )
+                                @pl.when((count & size) != 0)
+                                def _store(start=start, size=size, col=col):
+                                    plgpu.copy_smem_to_gmem(
+                                        out_smem.at[wg, pl.ds(start, size)],
+                                        out_gmem.at[pl.ds(wg_row0 + start, size), pl.ds(wg_col0 + col, epi_n)],
+                                    )
 
-                            start = start + (count & size)
-                            size //= 2
+                                start = start + (count & size)
+                                size //= 2
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     b_tile = b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
                     if transpose_rhs:
                         b_tile = plgpu.transpose_ref(b_tile, (1, 0))
                     plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_tile)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(config.in_flight)
                     return acc_ref
 
                 b_cols = b_gmem.at[group]
