@@ -5,6 +5,8 @@ Backends (`implementation=`), one object each in IMPLEMENTATIONS:
   "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
   "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
   "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
+  "ws"      our warp-specialized Mosaic-GPU grouped GEMM (gmm/mgpu_ws.py; Hopper): contiguous gmm only,
+            tgmm / permute / FP8 / row-indexed calls run on its fallback, pallas.
 FP8 (op "gmm_fp8", called by xmoe_jax/fp8/gmm.py): xla (gmm/xla.py, the dequantizing float32
 oracle) and pallas (gmm/pallas_fp8.py) run it; triton and mgpu say why they cannot and hand it on.
   "shapes"  shape-only stand-ins for compile-time memory planning (kernels/shapes.py), never numbers.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 
 from xmoe_jax.kernels import defaults, shapes
 from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
+from xmoe_jax.kernels.gmm import mgpu_ws as gmm_ws
 from xmoe_jax.kernels.gmm import pallas as gmm_pallas
 from xmoe_jax.kernels.gmm import pallas_fp8 as gmm_pallas_fp8
 from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
@@ -298,6 +301,42 @@ class Mosaic(Backend):
         return gmm_mgpu.tgmm_mgpu(lhs_LK, grad_GN, group_sizes_E, out_dtype=out_dtype, tile=tile)
 
 
+class WarpSpecialized(Backend):
+    """Our warp-specialized Mosaic-GPU grouped GEMM (gmm/mgpu_ws.py), Hopper only, contiguous gmm only.
+
+    Its configs are its own (defaults.WS_CONFIGS, picked by the output columns), not a Pallas tile:
+    a call that names a tile goes to pallas. Row-indexed calls (no TMA gather on Hopper) are not
+    offered to it: the defaults route them to pallas (`gmm_indexed`), and asked for by name they
+    fall back with a warning."""
+
+    name, fallback = "ws", "pallas"
+    ops = frozenset({"gmm"})
+
+    def unavailable_reason(self):
+        if platform() != "cuda" or not is_hopper():
+            return "the warp-specialized Mosaic GEMM needs an NVIDIA Hopper GPU"
+        return None
+
+    def shape_reason(self, call):
+        if call.indexed:
+            return "it has no row indices (Hopper has no TMA gather): pallas gathers on load"
+        if call.tile is not None:
+            return f"it takes its own configs (defaults.WS_CONFIGS), not a tile {call.tile}"
+        config = defaults.ws_config(call.n_dim)
+        if call.arrays[0].shape[0] < config.cta_m:
+            return f"{call.arrays[0].shape[0]} rows are fewer than one {config.cta_m}-row tile"
+        return gmm_ws.shape_reason(call.arrays[0].dtype, call.k_dim, call.n_dim, config)
+
+    def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, zero_unwritten=False, **rows):
+        del tile, rows  # shape_reason refused tiles and indexed calls
+        n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+        out = gmm_ws.gmm_ws(
+            lhs_LK, rhs_EKN, group_sizes_E, out_dtype=out_dtype, config=defaults.ws_config(n_dim),
+            transpose_rhs=transpose_rhs,
+        )  # fmt: skip
+        return gmm_mgpu.zero_tail(out, group_sizes_E) if zero_unwritten else out
+
+
 class Shapes(Backend):
     """Shape-only stand-ins (shapes.py): for compile-time memory planning on CPU, never for numbers."""
 
@@ -338,7 +377,9 @@ class Shapes(Backend):
         return shapes.opaque(jax.ShapeDtypeStruct(dest_TK.shape, jnp.float32), a_TD, b_RD, dest_TK)
 
 
-IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (Xla(), Pallas(), Triton(), Mosaic(), Shapes())}
+IMPLEMENTATIONS: dict[str, Backend] = {
+    b.name: b for b in (Xla(), Pallas(), Triton(), Mosaic(), WarpSpecialized(), Shapes())
+}
 
 
 def check_name(implementation: str | None) -> None:
@@ -362,7 +403,8 @@ def choose_backend(implementation: str | None, call: Call) -> Backend:
     """The backend that runs `call`: the requested one (None: the platform's default for the op),
     or the first one along its fallback chain that can run here and take the call."""
     check_name(implementation)
-    name = defaults.default_implementation(call.op) if implementation is None else implementation
+    op = f"{call.op}_indexed" if call.indexed else call.op  # the defaults may differ for indexed calls
+    name = defaults.default_implementation(op) if implementation is None else implementation
     while True:
         backend = IMPLEMENTATIONS[name]
         if call.op not in backend.ops:  # no kernel of its own for this op: its fallback's, silently

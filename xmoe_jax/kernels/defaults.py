@@ -16,9 +16,12 @@ from xmoe_jax.kernels.platform import platform
 # matmul in fwd/dgrad/wgrad; triton (jax-triton) was within 0-8% of it but is an extra package;
 # mgpu (JAX's untuned Mosaic ragged dots) 36-45% in fwd/dgrad, 51-70% in wgrad; XLA 1-3%.
 # Permute/combine: pallas 80-82% of device-copy bandwidth, XLA's permute 46%.
+# gmm on CUDA: our warp-specialized Mosaic kernel (ws, gmm/mgpu_ws.py) for contiguous rows, 1.03-1.17x
+# pallas on one H200 (benchmarks/kernels.md, 2026-11-28); row-indexed calls (`gmm_indexed`) stay on
+# pallas, which gathers on load. ws needs Hopper: elsewhere it hands the call to pallas.
 DEFAULT_IMPLEMENTATION = {
     "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla"},
-    "cuda": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},
+    "cuda": {"gmm": "ws", "gmm_indexed": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},
     "rocm": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},  # fp8: untested
 }
 
@@ -80,6 +83,23 @@ LAUNCH = {
     ("pallas", "rocm"): dict(_ROCM_LAUNCH),
     ("triton", "rocm"): dict(_ROCM_LAUNCH),
 }
+# ws (gmm/mgpu_ws.py) configs, by output columns: (tile_m, tile_n, tile_k, stages, split, snake, in_flight,
+# epi_n). One H200, the Small expert shapes (scripts/bench_gmm_ws.py, results/gmm_ws_v2_1xh200.json):
+# 128 x 256 CTAs where N allows (the down-projection: best of 11 configs for ep1 and ep4), else 256 x 128.
+WS_CONFIGS = {
+    256: (128, 128, 64, 4, "n", 8, 1, 64),
+    128: (128, 128, 64, 4, "m", 8, 1, 64),
+}
+
+
+def ws_config(n_dim: int):
+    """The ws kernel's config for N output columns: the widest CTA whose columns divide N."""
+    from xmoe_jax.kernels.gmm.mgpu_ws import WsConfig
+
+    cols = next((c for c in sorted(WS_CONFIGS, reverse=True) if n_dim % c == 0), min(WS_CONFIGS))
+    return WsConfig(*WS_CONFIGS[cols])
+
+
 # gmm_fp8 reads the weights K-major ([E, N, K], transposed where they are quantized): Hopper's FP8
 # wgmma takes only K-major B from shared memory, so an N-major tile is transposed in the kernel.
 FP8_WEIGHTS_KMAJOR = {"cuda": True}
@@ -99,7 +119,8 @@ def default_implementation(op: str) -> str:
     forced = os.environ.get("XMOE_KERNELS")
     if forced:
         return forced
-    return DEFAULT_IMPLEMENTATION.get(platform(), {}).get(op, "xla")
+    table = DEFAULT_IMPLEMENTATION.get(platform(), {})
+    return table.get(op) or table.get(op.removesuffix("_indexed"), "xla")
 
 
 def default_tile(implementation: str, op: str = "gmm") -> tuple[int, int, int]:

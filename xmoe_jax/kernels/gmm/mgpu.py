@@ -48,7 +48,8 @@ def shape_reason(op: str, dtype, k_dim: int, n_dim: int, tile) -> str | None:
     return None
 
 
-def _zero_tail(out_RN, group_sizes_E):
+def zero_tail(out_RN, group_sizes_E):
+    """out with its rows past sum(group_sizes) zeroed (a select XLA fuses into the consumer)."""
     rows_R = jnp.arange(out_RN.shape[0], dtype=jnp.int32)
     return jnp.where((rows_R < jnp.sum(group_sizes_E))[:, None], out_RN, 0)
 
@@ -70,7 +71,7 @@ def gmm_mgpu(
         grid_block_n=GRID_BLOCK_N,
         transpose_rhs=transpose_rhs,
     )
-    return (_zero_tail(out, group_sizes_E) if zero_unwritten else out).astype(out_dtype)
+    return (zero_tail(out, group_sizes_E) if zero_unwritten else out).astype(out_dtype)
 
 
 def tgmm_mgpu(lhs_RK, grad_RN, group_sizes_E, *, out_dtype, tile) -> jax.Array:

@@ -70,7 +70,7 @@ def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig) -> str | None:
     if n_dim % config.cta_n:
         return f"N={n_dim} is not a multiple of the CTA's {config.cta_n} columns"
     epi_n = config.epi_n or config.tile_n
-    if config.tile_n % epi_n or epi_n * jnp.dtype(dtype).itemsize % 128:
+    if config.tile_n % epi_n or epi_n * 2 % 128:  # 16-bit outputs: 64 columns at least
         # a row slice of the output tile is a bulk store's source: rows of 128 bytes (32 columns faulted)
         return f"epi_n={epi_n} must divide tile_n={config.tile_n} in rows of a multiple of 128 bytes"
     return None
