@@ -322,10 +322,8 @@ class WarpSpecialized(Backend):
             return "it has no row indices (Hopper has no TMA gather): pallas gathers on load"
         if call.tile is not None:
             return f"it takes its own configs (defaults.WS_CONFIGS), not a tile {call.tile}"
-        config = defaults.ws_config(call.n_dim)
-        if call.arrays[0].shape[0] < config.cta_m:
-            return f"{call.arrays[0].shape[0]} rows are fewer than one {config.cta_m}-row tile"
-        return gmm_ws.shape_reason(call.arrays[0].dtype, call.k_dim, call.n_dim, config)
+        lhs = call.arrays[0]
+        return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, defaults.ws_config(call.n_dim), lhs.shape[0])
 
     def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, zero_unwritten=False, **rows):
         del tile, rows  # shape_reason refused tiles and indexed calls

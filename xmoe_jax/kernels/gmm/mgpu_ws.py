@@ -61,8 +61,11 @@ class WsConfig:
         return self.tile_n * (2 if self.split == "n" else 1)
 
 
-def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig) -> str | None:
+def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig, num_rows: int | None = None) -> str | None:
     """Why the kernel cannot take this call, or None."""
+    if num_rows is not None and (num_rows % 8 or num_rows < config.cta_m):
+        # Mosaic tiles a GMEM operand's rows by 8 (a trace-time error otherwise, seen on an H200)
+        return f"{num_rows} rows: needs a multiple of 8 and at least one {config.cta_m}-row tile"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs bfloat16/float16 inputs, got {jnp.dtype(dtype)}"
     if k_dim % config.tile_k:
@@ -224,7 +227,7 @@ def gmm_ws(
 
     num_rows, k_dim = lhs_RK.shape
     n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
-    reason = shape_reason(lhs_RK.dtype, k_dim, n_dim, config)
+    reason = shape_reason(lhs_RK.dtype, k_dim, n_dim, config, num_rows)
     if reason or lhs_RK.dtype != rhs_EKN.dtype:
         raise ValueError(f"gmm_ws: {reason or 'lhs and rhs dtypes differ'}")
     meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
