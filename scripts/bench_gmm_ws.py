@@ -57,6 +57,7 @@ PASSES = {  # name: (K, N, transpose_rhs)
     "down_fwd": (1408, 2048, False),
     "up_dgrad": (1408, 2048, True),
 }
+TINY_PASSES = {"up_fwd": (256, 128, False), "down_fwd": (128, 256, False), "up_dgrad": (128, 256, True)}
 
 
 def _randn(seed, shape):
@@ -95,9 +96,9 @@ class Recorder:
                 json.dump({"env": environment(), "rows": self.rows}, f, indent=1)
 
 
-def check(rec, configs, rows, experts, on_gpu):
+def check(rec, configs, rows, experts, on_gpu, passes):
     """Every config and pass on a skewed case against float32 XLA (rows < sum(group_sizes))."""
-    for pass_, (k_dim, n_dim, transpose) in PASSES.items():
+    for pass_, (k_dim, n_dim, transpose) in passes.items():
         gs = jnp.asarray(_sizes(rows, experts, 7, skewed=True))
         lhs, rhs = _operands(rows, experts, k_dim, n_dim, transpose, 11)
         live = int(gs.sum())
@@ -116,10 +117,10 @@ def check(rec, configs, rows, experts, on_gpu):
                 rec.add(check=pass_, config=name, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch):
+def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch, passes):
     gs_np = _sizes(rows, experts, 3, skewed=False)
     gs = jnp.asarray(gs_np)
-    for pass_, (k_dim, n_dim, transpose) in PASSES.items():
+    for pass_, (k_dim, n_dim, transpose) in passes.items():
         lhs, rhs = _operands(rows, experts, k_dim, n_dim, transpose, 5)
         flops = 2.0 * rows * k_dim * n_dim
         key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=k_dim, n=n_dim)
@@ -180,9 +181,10 @@ def main() -> None:
     configs = {k: CONFIGS[k] for k in (args.configs.split(",") if args.configs else CONFIGS)}
     rec = Recorder(args.out)
     rows, cases = (512, {"ep1": 8, "ep4": 4}) if args.tiny else (98_304, {"ep1": 64, "ep4": 16})
-    check(rec, configs, rows - 72, cases["ep1"], on_gpu)  # rows not a multiple of the tiles: a partial last tile
+    passes = TINY_PASSES if args.tiny else PASSES
+    check(rec, configs, rows - 72, cases["ep1"], on_gpu, passes)  # rows not a multiple of the tiles: a partial last tile
     for case, experts in cases.items():
-        bench(rec, configs, case, rows, experts, args.iters, on_gpu, not args.no_torch)
+        bench(rec, configs, case, rows, experts, args.iters, on_gpu, not args.no_torch, passes)
     print(table(rec.rows))
 
 

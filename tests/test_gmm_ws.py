@@ -1,0 +1,112 @@
+"""Our warp-specialized Mosaic-GPU grouped GEMM (xmoe_jax/kernels/gmm/mgpu_ws.py) and its backend, on CPU.
+
+The kernel itself needs a Hopper GPU: scripts/bench_gmm_ws.py checks it there against float32 XLA (skewed
+groups, empty groups, rows past the sum, a partial last tile) before it times it
+(benchmarks/kernels.md). Here: its work list against NumPy, its lowering to Mosaic GPU for CUDA
+(`jax.export`, which catches tracing and lowering errors before a GPU is involved), its refusals, and
+the defaults that send contiguous gmm calls to it on CUDA and row-indexed ones to pallas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xmoe_jax.kernels import backends, defaults
+from xmoe_jax.kernels.gmm import mgpu_ws
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 300, 0, 9, 256, 1], [0, 0, 0], [512, 0]])
+def test_work_items_cover_each_grouped_row_once_within_its_group_and_tile(sizes):
+    rows, cta_m = 1100, 256
+    gs = np.asarray(sizes, np.int32)
+    meta = np.asarray(mgpu_ws.work_items(jnp.asarray(gs), rows, cta_m))
+    group, tile, lo, count = meta
+    ends = np.cumsum(gs)
+    starts = ends - gs
+    covered = np.zeros(rows, np.int32)
+    for g, t, a, n in zip(group, tile, lo, count, strict=True):
+        if n == 0:
+            continue
+        assert starts[g] <= a and a + n <= ends[g], "rows outside the item's group"
+        assert t * cta_m <= a and a + n <= (t + 1) * cta_m, "rows outside the item's tile"
+        covered[a : a + n] += 1
+    np.testing.assert_array_equal(covered[: gs.sum()], 1)  # every grouped row, once
+    assert not covered[gs.sum() :].any()  # rows past the sum: never computed or stored
+    assert meta.shape[1] == -(-rows // cta_m) + len(sizes) - 1  # gmm's static bound (metadata.py)
+
+
+@pytest.mark.parametrize("k_dim, n_dim, transpose", [(256, 128, False), (128, 256, False), (128, 256, True)])
+def test_the_kernel_lowers_to_mosaic_gpu_for_cuda(k_dim, n_dim, transpose):
+    """The default configs (defaults.WS_CONFIGS: 256 x 128 and 128 x 256 CTAs), forward and transposed."""
+    config = defaults.ws_config(n_dim)
+    experts, rows = 4, 1024
+    w_shape = (experts, n_dim, k_dim) if transpose else (experts, k_dim, n_dim)
+
+    def f(x, w, gs):
+        return mgpu_ws.gmm_ws(x, w, gs, config=config, transpose_rhs=transpose)
+
+    args = (
+        jax.ShapeDtypeStruct((rows, k_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct(w_shape, jnp.bfloat16),
+        jax.ShapeDtypeStruct((experts,), jnp.int32),
+    )
+    text = jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text and "xmoe_gmm_ws" in text
+
+
+def test_shapes_it_cannot_take_are_refused_before_tracing():
+    cfg = defaults.ws_config(1408)
+    bf16 = jnp.bfloat16
+    assert mgpu_ws.shape_reason(bf16, 2048, 1408, cfg, 98_304) is None
+    assert "multiple of 8" in mgpu_ws.shape_reason(bf16, 2048, 1408, cfg, 98_227)
+    assert "one 256-row tile" in mgpu_ws.shape_reason(bf16, 2048, 1408, cfg, 128)
+    assert "tile_k" in mgpu_ws.shape_reason(bf16, 2000, 1408, cfg)
+    assert "columns" in mgpu_ws.shape_reason(bf16, 2048, 1400, cfg)
+    assert "bfloat16" in mgpu_ws.shape_reason(jnp.float32, 2048, 1408, cfg)
+    narrow = mgpu_ws.WsConfig(128, 128, 64, 4, "m", epi_n=32)  # faulted on an H200 (misaligned stores)
+    assert "epi_n" in mgpu_ws.shape_reason(bf16, 2048, 1408, narrow)
+    with pytest.raises(ValueError, match="gmm_ws: .*multiple of 8"):
+        mgpu_ws.gmm_ws(jnp.zeros((100, 64), bf16), jnp.zeros((2, 64, 128), bf16), jnp.asarray([50, 50]))
+
+
+def test_cuda_sends_contiguous_gmm_to_ws_and_indexed_gmm_to_pallas(monkeypatch):
+    monkeypatch.setattr(defaults, "platform", lambda: "cuda")
+    monkeypatch.delenv("XMOE_KERNELS", raising=False)
+    assert defaults.default_implementation("gmm") == "ws"
+    assert defaults.default_implementation("gmm_indexed") == "pallas"
+    assert defaults.default_implementation("tgmm_indexed") == "pallas"  # no entry: the op's own
+    ws = backends.IMPLEMENTATIONS["ws"]
+    x = jax.ShapeDtypeStruct((98_304, 2048), jnp.bfloat16)
+    indexed = backends.Call("gmm", (x,), 2048, 1408, indexed=True)
+    assert "pallas gathers on load" in ws.shape_reason(indexed)
+    tiled = backends.Call("gmm", (x,), 2048, 1408, tile=(128, 64, 128))
+    assert "own configs" in ws.shape_reason(tiled)
+    assert ws.shape_reason(backends.Call("gmm", (x,), 2048, 1408)) is None
+    assert ws.ops == frozenset({"gmm"})  # tgmm, permute and FP8 run on its fallback, pallas
+
+
+def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
+    """scripts/bench_gmm_ws.py --tiny: the references and peers it times on any machine (the kernel's
+    rows say it needs a Hopper GPU), one JSON row each, and its table."""
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "ws.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "scripts/bench_gmm_ws.py", "--tiny", "--iters", "1", "--no-torch", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| case / pass | variant |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    timed = {(r["case"], r["pass_"], r["variant"]) for r in rows if "ms" in r}
+    for case in ("ep1", "ep4"):
+        for pass_ in ("up_fwd", "down_fwd", "up_dgrad"):
+            assert {(case, pass_, "dense_same_flops"), (case, pass_, "default_xla")} <= timed
