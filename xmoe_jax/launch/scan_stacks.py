@@ -1,4 +1,4 @@
-"""Uninitialised buffers for the stacks a scan builds: opt-in (XMOE_SCAN_STACKS=empty), not measured yet.
+"""Uninitialised buffers for the stacks a scan builds: opt-in (XMOE_SCAN_STACKS=empty); measured mixed.
 
 jax lowers every stacked output of a scan (`ys`: the layer scan's saved residuals, one [L, ...] stack per
 saved tensor, built again for each micro-batch) from a buffer that starts as a broadcast of zeros:
@@ -11,9 +11,9 @@ buffer factor 4 it is `loop_broadcast_fusion_27`, 106 ms of a 3,252 ms step (ben
 (zeros on CPU, where `lax.empty` lowers to a broadcast; `AllocateBuffer` on CUDA and ROCm). It is
 process-wide and must be on before the train step is first compiled: `apply_from_env()` runs at
 start-up (train/loop.py). Where this jax has no such function, or an aval it does not expect
-(another memory space), the original runs. Whether XLA:GPU handles the uninitialised buffer
-correctly everywhere (jax's "issues") and what it saves are for a GPU run to show: compare the
-losses and tokens/s of the same run with and without it.
+(another memory space), the original runs. Measured (benchmarks/exchange.md, 2026-11-28): the same
+losses; +1.7% on one H200 at 8 layers with the same peak, but -0.9% and 8.6 GiB more at the peak
+under EP 2 with push (XLA reused less memory around the stacks). Hence off by default.
 """
 
 from __future__ import annotations
