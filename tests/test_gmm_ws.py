@@ -81,6 +81,8 @@ def test_shapes_it_cannot_take_are_refused_before_tracing():
 def test_cuda_sends_contiguous_gmm_to_ws_and_indexed_gmm_to_pallas(monkeypatch):
     monkeypatch.setattr(defaults, "platform", lambda: "cuda")
     monkeypatch.delenv("XMOE_KERNELS", raising=False)
+    assert defaults.default_implementation("gmm") == "pallas"  # a CUDA target with no Hopper to ask: no ws
+    monkeypatch.setattr(defaults, "is_hopper", lambda: True)
     assert defaults.default_implementation("gmm") == "ws"
     assert defaults.default_implementation("gmm_indexed") == "pallas"
     assert defaults.default_implementation("tgmm_indexed") == "pallas"  # no entry: the op's own

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from xmoe_jax.kernels.platform import platform
+from xmoe_jax.kernels.platform import is_hopper, platform
 
 # Fastest measured backend per platform and op (scripts/bench_gmm.py, one H100, jax 0.11.2,
 # X-MoE Small and Large expert shapes, bf16): pallas reached 74-87% of a same-shape dense
@@ -120,7 +120,10 @@ def default_implementation(op: str) -> str:
     if forced:
         return forced
     table = DEFAULT_IMPLEMENTATION.get(platform(), {})
-    return table.get(op) or table.get(op.removesuffix("_indexed"), "xla")
+    name = table.get(op) or table.get(op.removesuffix("_indexed"), "xla")
+    if name == "ws" and not is_hopper():  # before Hopper, or a CUDA target traced on a CPU host: no warning
+        return "pallas"
+    return name
 
 
 def default_tile(implementation: str, op: str = "gmm") -> tuple[int, int, int]:
