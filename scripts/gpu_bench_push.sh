@@ -23,6 +23,10 @@
 # (XMOE_SCAN_STACKS=empty, xmoe_jax/launch/scan_stacks.py) instead of zero-filled; its losses must equal depth_push's.
 # Part `depth_source` (about 5 minutes): push at depth with its rows landing source-major (XMOE_ARRIVAL=source) instead
 # of grouped by expert (layouts.compact), for measuring expert-major arrival; its losses must equal depth_push's.
+# Part `depth_unfused` (about 5 minutes): push at depth with the return exchange after the down-projection
+# (XMOE_FUSED_RETURN=off) instead of inside its kernel (kernels/push: gmm_push); its losses must equal depth_push's.
+# Part `gmm_push` (about 2 minutes): scripts/bench_gmm_push.py, the down-projection with the return inside against
+# the GEMM and then the push kernel (checked bit for bit against each other first); GMM_PUSH_ARGS=--tiny on a CPU.
 # DEPTH_LAYERS=12 runs the depth parts at 12 layers (2 GPUs hold that, not 28), DEPTH_LIMIT their time limit (560 s).
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
@@ -58,6 +62,8 @@ for part in ${PARTS:-exchange scaling}; do
         ep_step "ws_$transport" 170 "$N" "${STEPS:-15}" configs/tiny_small_shape.yaml --log-every 5 \
           --set train.tensorboard=false --set parallel.transport=$transport
       done ;;
+    gmm_push)  # the down-projection with the return exchange inside, against the two kernels in a row
+      step gmm_push "${GMM_PUSH_LIMIT:-240}" python3 scripts/bench_gmm_push.py --out "$OUT/gmm_push.json" ${GMM_PUSH_ARGS:-} ;;
     overlap)
       step overlap_default 150 python3 scripts/bench_push_overlap.py --rows "$ROWS" --gemm-rows $((4 * ROWS)) \
         --out "$OUT/overlap_default.json"
@@ -88,12 +94,13 @@ for part in ${PARTS:-exchange scaling}; do
         depth_tgmm) name=push_$part transport=push && export XMOE_TGMM_GATHER=kernel ;;
         depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
         depth_source) name=push_$part transport=push && export XMOE_ARRIVAL=source ;;
+        depth_unfused) name=push_$part transport=push && export XMOE_FUSED_RETURN=off ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
       ep_step "$name" "${DEPTH_LIMIT:-560}" "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         ${DEPTH_LAYERS:+--set model.num_layers=$DEPTH_LAYERS} --set parallel.transport="$transport" $lever
-      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS XMOE_ARRIVAL ;;
+      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS XMOE_ARRIVAL XMOE_FUSED_RETURN ;;
   esac
 done
 summary

@@ -35,6 +35,9 @@ the reverse exchange. The row movers of the compact ones live here:
             straight into its peers' receive buffers over NVLink and signals them; exactly the
             routed rows on the wire, no NCCL, few SMs. Receive rows no peer wrote are undefined
             (nothing reads them). On CPU the kernel's XLA reference runs the same plan.
+The return of expert-major arrival can run inside the down-projection's kernel (`gmm_move`, a
+transport's `gmm_move`): push's (`move_push_gmm`) is the grouped GEMM whose epilogue stores every
+output row on the peer it came from, so the exchange runs under the GEMM (kernels/push: gmm_push).
 The fifth transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
 fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
 `all_to_all` (layouts.py).
@@ -209,6 +212,20 @@ def move_push(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -
         x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_chunk
     )
     return match_vma(out_MD, x_ND)[0]
+
+
+def move_push_gmm(lhs_RF, rhs_EFD, group_sizes_E, plan: Plan, out_rows: int, axis_name: str, max_chunk: int):
+    """`move_push(gmm(lhs_RF, rhs_EFD, group_sizes_E), plan, ...)` as one kernel: lhs's rows are grouped
+    by local expert and the plan holds one update per (peer, local expert) (expert-major arrival's
+    reverse plan). Not differentiable by itself (experts.returned_experts holds its VJP)."""
+    from xmoe_jax.kernels.push import gmm_push  # the kernel's module imports Mosaic GPU
+
+    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    out_MN = gmm_push(
+        lhs_RF, rhs_EFD, group_sizes_E, meta_3X, out_rows=out_rows, axis_name=axis_name,
+        num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk,
+    )  # fmt: skip
+    return match_vma(out_MN, lhs_RF)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))

@@ -14,11 +14,15 @@ rows through an index on load and write them through an index on store.
                     grouped -> arrival index and stores each output at its arrival row; d x is
                     stored back through the same index. Rows that arrived grouped by expert
                     (no index) are read and written in place.
+  returned_experts  (rows that arrived grouped by expert, a transport with a `gmm_move`) the same
+                    experts, whose down-projection kernel also runs the return exchange: each
+                    output row goes straight back to the source's send buffer (push: under the GEMM).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,9 @@ from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
 from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
+
+if TYPE_CHECKING:
+    from xmoe_jax.moe.transports import Transport
 
 
 def _act(h_gate, h_up, activation: str):
@@ -175,15 +182,60 @@ def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, num_out, acti
 
 def _act_down_scatter_bwd(num_out, activation, res, d_MD):
     hidden, w_EFD, group_sizes_E, arrival_R = res
+    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation)
+    return d_hidden, dw_EFD, None, None
+
+
+_act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
+
+
+def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str):
+    """The down-projection's backward (act and cast recomputed): d hidden per matrix and d w."""
     act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
     d_MD = d_MD.astype(act_RF.dtype)
     w = w_EFD.astype(act_RF.dtype)
     d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
     dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
-    return act_vjp(d_act_RF), dw_EFD, None, None
+    return act_vjp(d_act_RF), dw_EFD
 
 
-_act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
+class Return(NamedTuple):
+    """The return exchange `returned_experts` runs (static): the send buffer's rows, the receive
+    buffer's rows, the axis, the transport (its `gmm_move`) and the most rows one update moves."""
+
+    send_rows: int
+    recv_rows: int
+    axis_name: str
+    transport: Transport
+    max_piece: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _act_down_return(hidden, w_EFD, group_sizes_E, plan, ret: Return, activation: str):
+    """exchange(gmm(act(hidden), w), plan.reverse()) with the exchange inside the GEMM's kernel
+    (`ret.transport.gmm_move`): [send_rows, D], each output row back in its source's send buffer.
+    The backward moves the cotangent forward (the dispatch's direction) into the grouped rows, then
+    runs `_act_down_scatter`'s backward; it keeps what that keeps, and the plan."""
+    act_RF = _act(*hidden, activation)
+    w = w_EFD.astype(act_RF.dtype)
+    move = ret.transport.gmm_move
+    return move(act_RF, w, group_sizes_E, plan.reverse(), ret.send_rows, ret.axis_name, ret.max_piece)
+
+
+def _act_down_return_fwd(hidden, w_EFD, group_sizes_E, plan, ret, activation):
+    y_AD = _act_down_return(hidden, w_EFD, group_sizes_E, plan, ret, activation)
+    return y_AD, (hidden, w_EFD, group_sizes_E, plan)
+
+
+def _act_down_return_bwd(ret, activation, res, d_AD):
+    hidden, w_EFD, group_sizes_E, plan = res
+    d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
+    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
+    return d_hidden, dw_EFD, None, zeros
+
+
+_act_down_return.defvjp(_act_down_return_fwd, _act_down_return_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -318,6 +370,20 @@ def arrival_experts(
             hidden = _tag_hidden(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), activation)
             y_MD = _act_down_scatter(hidden, experts["w_down"], gs_E, arrival_R, num_rows, activation)
     return tag(y_MD, EXPERT_OUT)
+
+
+def returned_experts(
+    x_MD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str, plan, ret: Return
+) -> jax.Array:
+    """`exchange(arrival_experts(x_MD, None, ...), plan.reverse())` for rows that arrived grouped by
+    local expert, with the return inside the down-projection's kernel (`ret.transport.gmm_move`):
+    [ret.send_rows, D], each output row in its source's send buffer. Keeps what `arrival_experts`
+    keeps, and the plan. Not for FP8 experts (their GEMMs have no such epilogue)."""
+    gs_E = group_sizes_E.astype(jnp.int32)
+    with jax.named_scope("experts"):
+        w_up = tuple(experts[n] for n in _up_names(activation))
+        hidden = _tag_hidden(_gather_up(x_MD, None, w_up, gs_E, x_MD.shape[0]), activation)
+        return _act_down_return(hidden, experts["w_down"], gs_E, plan, ret, activation)
 
 
 def _grouped_rows(arrival_R, group_sizes_E, num_rows: int) -> jax.Array:

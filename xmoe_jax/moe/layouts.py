@@ -38,7 +38,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xmoe_jax.moe.exchange import exchange, exclusive_cumsum, plan_from_segments, plan_from_sizes, wire_bytes
+from xmoe_jax.moe.exchange import (
+    Plan,
+    exchange,
+    exclusive_cumsum,
+    plan_from_segments,
+    plan_from_sizes,
+    wire_bytes,
+)
 from xmoe_jax.moe.transports import arrival
 
 
@@ -56,6 +63,8 @@ class ExchangeLayout(NamedTuple):
     peak_rows: jax.Array  # rows the binding buffer had to hold (fits when <= buffer_rows)
     buffer_rows: int  # the binding buffer's rows: M (compact) or C (chunked)
     grouped: bool = False  # the received rows are grouped by local expert: seg_start_PL is expert-major
+    plan: Plan | None = None  # compact: the forward exchange's plan (its reverse is the return)
+    max_piece: int = 0  # compact: the most rows one update moves
 
 
 def _counts(topk_idx_TK, keep_TK, num_experts, axis_name, num_peers):
@@ -104,6 +113,8 @@ def compact(
         peak_rows=block_PQL[:, me, :].sum(),
         buffer_rows=num_recv,
         grouped=grouped,
+        plan=plan,
+        max_piece=max_piece,
     )
 
 

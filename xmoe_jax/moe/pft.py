@@ -23,7 +23,9 @@ Steps:
      (`_arrival_index`; gather on load, no expert-major copy);
   6. the down-projection stores each output at its arrival row (in place, or scatter on store:
      no ungrouping copy); the outputs go back by the reverse exchange and are combined with
-     the routing weights (combine kernel, float32 accumulation). Receive-buffer rows that
+     the routing weights (combine kernel, float32 accumulation). A transport with a `gmm_move`
+     (push) runs that reverse exchange inside the down-projection's kernel: each output row goes
+     straight to its source (experts.returned_experts), and the "return" stage is empty. Receive-buffer rows that
      hold no row stay unwritten in both passes' outputs; nothing reads them.
 With one peer there is no exchange: steps 5-6 are the experts and the combine in one piece
 (`experts.combined_experts`), whose backward pass keeps no [A, D] buffer.
@@ -47,10 +49,10 @@ from xmoe_jax.fp8.dispatch import fp8_exchange
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
-from xmoe_jax.moe.experts import arrival_experts, combined_experts
+from xmoe_jax.moe.experts import Return, arrival_experts, combined_experts, returned_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
-from xmoe_jax.moe.transports import Transport
+from xmoe_jax.moe.transports import Transport, gmm_move
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
@@ -191,11 +193,20 @@ def pft_stages(
         x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
         send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
         yield "exchange", (x_recv_MD,)
-        # the experts read the received rows in place and write their outputs back in place
-        arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
-        y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)
-        yield "experts", (y_recv_MD,)
-        y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)
+        if lay.grouped and gmm_move(transport) and fp8_context.recipe_for("experts") is None:
+            # the down-projection's kernel sends each output row back itself (push: under the GEMM)
+            ret = Return(lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece)
+            gs_L = lay.cc_PL.sum(0)
+            y_send_AD = tag(
+                returned_experts(x_recv_MD, experts, gs_L, spec.activation, lay.plan, ret), EXCHANGE_OUT
+            )
+            yield "experts", (y_send_AD,)
+        else:
+            # the experts read the received rows in place and write their outputs back in place
+            arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
+            y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)
+            yield "experts", (y_recv_MD,)
+            y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)
         yield "return", (y_send_AD,)
         stats = ExchangeStats(  # dispatch + combine: both directions carry the same rows
             num_overflow=jnp.sum(keep_TK & ~sent_TK).astype(jnp.int32),

@@ -35,7 +35,7 @@ from typing import Literal
 
 import jax
 
-from xmoe_jax.moe.exchange import move_emulated, move_exact, move_push, move_ragged
+from xmoe_jax.moe.exchange import move_emulated, move_exact, move_push, move_push_gmm, move_ragged
 
 AUTO = "auto"  # the request, not a transport: settled by `choose`
 GPUS = ("cuda", "rocm")
@@ -73,6 +73,10 @@ class Transport:
     # experts through an index; `expert`: grouped by local expert (one update per peer and local
     # expert), so the experts' GEMMs read and write them in place (layouts.compact)
     arrival: Literal["source", "expert"] = "source"
+    # expert-major arrival's return, run inside the down-projection's grouped GEMM (exchange.py):
+    # (lhs_RF, rhs_EFD, group_sizes_E, plan, out_rows, axis_name, max_chunk) -> [out_rows, D]; None: the
+    # GEMM and then `move`
+    gmm_move: Callable | None = None
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
@@ -132,6 +136,7 @@ TABLE: dict[str, Transport] = {
             across_nodes="emulated",
             buffers_shrink=False,  # one receive buffer per run: grown on overflow, never shrunk
             arrival="expert",  # its updates are cheap to split per local expert (benchmarks/exchange.md)
+            gmm_move=move_push_gmm,  # the down-projection's epilogue pushes its rows (kernels/push: gmm_push)
         ),
         Transport(
             "emulated",
@@ -213,8 +218,22 @@ def arrival(t: Transport) -> str:
     XMOE_ARRIVAL=source turns expert-major arrival off, for measuring it against the other."""
     forced = os.environ.get(ARRIVAL_ENV) or None
     if forced not in (None, "source"):
-        raise ValueError(f"{ARRIVAL_ENV}={forced!r}: use source (or unset it for each transport's own arrival)")
+        raise ValueError(
+            f"{ARRIVAL_ENV}={forced!r}: use source (or unset it for each transport's own arrival)"
+        )
     return forced or t.arrival
+
+
+FUSED_RETURN_ENV = "XMOE_FUSED_RETURN"  # `off`: the return exchange runs after the GEMM, not inside it
+
+
+def gmm_move(t: Transport) -> Callable | None:
+    """`t`'s return inside the down-projection (the record's `gmm_move`; only with expert-major
+    arrival, whose rows are grouped), or None. XMOE_FUSED_RETURN=off turns it off, for measuring."""
+    forced = os.environ.get(FUSED_RETURN_ENV) or None
+    if forced not in (None, "off"):
+        raise ValueError(f"{FUSED_RETURN_ENV}={forced!r}: use off (or unset it for each transport's own)")
+    return None if forced or arrival(t) != "expert" else t.gmm_move
 
 
 def ragged_preset(requested: str) -> str | None:

@@ -24,6 +24,18 @@ are neither computed nor stored.
 
 Needs: NVIDIA Hopper, equal 16-bit input dtypes, K % tile_k == 0, N % (CTA tile N) == 0. No row
 indices (Hopper's TMA has no gather): an indexed call takes the Pallas kernel (backends.py).
+
+Push epilogue (`push=PushSpec(...)`, kernels/push: `gmm_push`): the same GEMM, whose output rows go
+straight to the peers they came from instead of to a local buffer, so the return exchange runs
+under the GEMM's own main loop. The rows are the compact layout's receive buffer grouped by local
+expert (expert-major arrival): within group g the rows of source p form one segment, update
+x = p * U + g of the reverse plan `seg_3X` (its start here, its rows, where they go on p). Each
+warpgroup cuts its stored rows at the segment boundaries and sends each piece into peer p's
+[out_rows, N] output through `plgpu.remote_ref` (a bulk store over NVLink; to itself, a local one).
+When a compute warpgroup's stores have landed it signals every peer once; the kernel ends on each
+device when its first CTA has counted 2 x CTAs x P signals (every warpgroup of every device is done
+writing to it). One process must drive every GPU of the axis (the peers' addresses reach one
+process only), as for the push kernel.
 """
 
 from __future__ import annotations
@@ -61,6 +73,17 @@ class WsConfig:
         return self.tile_n * (2 if self.split == "n" else 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class PushSpec:
+    """Where the push epilogue sends rows: the devices of `axis_name` (P = num_peers), U updates per
+    peer (the local experts), into an output of `out_rows` rows on each."""
+
+    axis_name: str
+    num_peers: int
+    updates_per_peer: int
+    out_rows: int
+
+
 def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig, num_rows: int | None = None) -> str | None:
     """Why the kernel cannot take this call, or None."""
     if num_rows is not None and (num_rows % 8 or num_rows < config.cta_m):
@@ -95,11 +118,22 @@ def _num_sms() -> int:
     return int(getattr(device, "core_count", 0) or 132)
 
 
-def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items: int, transpose_rhs: bool):
+def _kernel(
+    meta_gmem,
+    a_gmem,
+    b_gmem,
+    *refs,
+    config: WsConfig,
+    num_items: int,
+    num_ctas: int,
+    transpose_rhs: bool,
+    push: PushSpec | None,
+):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
+    seg_gmem, out_gmem = refs if push else (None, *refs)
     dtype = a_gmem.dtype
     out_dtype = out_gmem.dtype
     k_dim = a_gmem.shape[1]
@@ -143,6 +177,34 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
 
     ignore = lambda *_, **__: None  # noqa: E731  the functions do not change the allocations
 
+    def rows_to_store(group, lo, count):
+        """(target ref, first row here, rows, first row there) per piece of rows [lo, lo + count)."""
+        if push is None:
+            return [(out_gmem, lo, count, lo)]
+        pieces = []
+        for peer in range(push.num_peers):  # the segment of each source within this group
+            x = peer * push.updates_per_peer + group
+            start, size, dst = seg_gmem[0, x], seg_gmem[1, x], seg_gmem[2, x]
+            a, b = jnp.maximum(lo, start), jnp.minimum(lo + count, start + size)
+            target = plgpu.remote_ref(out_gmem, {push.axis_name: peer})
+            pieces.append((target, a, jnp.maximum(b - a, 0), dst + a - start))
+        return pieces
+
+    def store_rows(out_smem, wg, target, first, count, dst, col):
+        """out_smem[wg] rows [first, first + count) -> target rows [dst, dst + count), as a ladder of
+        power-of-two-row bulk stores (a copy's shape is static)."""
+        size = tile_m
+        while size >= 1:
+
+            @pl.when((count & size) != 0)
+            def _store(first=first, dst=dst, size=size):
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, pl.ds(first, size)], target.at[pl.ds(dst, size), pl.ds(col, epi_n)]
+                )
+
+            first, dst = first + (count & size), dst + (count & size)
+            size //= 2
+
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
@@ -178,22 +240,13 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...].astype(out_dtype)
+                        pieces = rows_to_store(group, wg_row0 + first, count)
                         for col in range(0, tile_n, epi_n):
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read out_smem
                             out_smem[wg] = acc[:, col : col + epi_n]
                             plgpu.commit_smem()
-                            start, size = first, tile_m
-                            while size >= 1:  # the rows as power-of-two TMA stores (static shapes)
-
-                                @pl.when((count & size) != 0)
-                                def _store(start=start, size=size, col=col):
-                                    plgpu.copy_smem_to_gmem(
-                                        out_smem.at[wg, pl.ds(start, size)],
-                                        out_gmem.at[pl.ds(wg_row0 + start, size), pl.ds(wg_col0 + col, epi_n)],
-                                    )
-
-                                start = start + (count & size)
-                                size //= 2
+                            for target, lo, size, dst in pieces:
+                                store_rows(out_smem, wg, target, lo - wg_row0, size, dst, wg_col0 + col)
 
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     b_tile = b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
@@ -209,7 +262,21 @@ def _kernel(meta_gmem, a_gmem, b_gmem, out_gmem, *, config: WsConfig, num_items:
                     a_gmem.at[cta_rows, :], b_cols, allocations=pipeline_allocs
                 )
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if push is None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this warpgroup's rows have landed
+    wg = lax.axis_index("wg")
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    @pl.when(wg < 2)  # the compute warpgroups store; each tells every peer it is done
+    def _signal():
+        for peer in range(push.num_peers):
+            pl.semaphore_signal(sem, 1, device_id={push.axis_name: peer})
+
+    @pl.when((lax.axis_index("cluster_grid") == 0) & (wg == 0))
+    def _wait():  # every compute warpgroup of every device has written here
+        pl.semaphore_wait(sem, 2 * num_ctas * push.num_peers)
 
 
 def gmm_ws(
@@ -220,9 +287,13 @@ def gmm_ws(
     out_dtype=None,
     config: WsConfig = WsConfig(),
     transpose_rhs: bool = False,
+    push: PushSpec | None = None,
+    seg_3X: jax.Array | None = None,
 ) -> jax.Array:
     """[R, N]: out[r] = lhs[r] @ rhs[group(r)] (rhs [E, N, K] and its transpose with `transpose_rhs`)
-    for r < sum(group_sizes); the other rows are left unwritten. Module docstring for the rest."""
+    for r < sum(group_sizes); the other rows are left unwritten. With `push` and the reverse plan's
+    int32 [3, P * U] `seg_3X` (start here, rows, start there): [push.out_rows, N] on each device, the
+    rows its peers' GEMMs sent it. Module docstring for the rest."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_rows, k_dim = lhs_RK.shape
@@ -230,16 +301,31 @@ def gmm_ws(
     reason = shape_reason(lhs_RK.dtype, k_dim, n_dim, config, num_rows)
     if reason or lhs_RK.dtype != rhs_EKN.dtype:
         raise ValueError(f"gmm_ws: {reason or 'lhs and rhs dtypes differ'}")
+    if push is not None and (seg_3X is None or push.out_rows % 8):
+        raise ValueError(
+            f"gmm_ws: a push needs seg_3X and output rows of a multiple of 8, got {push.out_rows}"
+        )
     meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
     num_items = meta_4I.shape[1]
+    out_rows = num_rows if push is None else push.out_rows
+    num_ctas = _num_sms()
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, num_items=num_items, transpose_rhs=transpose_rhs),
-        out_type=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype or lhs_RK.dtype),
-        grid=(_num_sms(),),
+        functools.partial(
+            _kernel,
+            config=config,
+            num_items=num_items,
+            num_ctas=num_ctas,
+            transpose_rhs=transpose_rhs,
+            push=push,
+        ),
+        out_type=jax.ShapeDtypeStruct((out_rows, n_dim), out_dtype or lhs_RK.dtype),
+        grid=(num_ctas,),
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        kernel_name="xmoe_gmm_ws",
+        kernel_name="xmoe_gmm_ws" if push is None else "xmoe_gmm_ws_push",
     )
-    return kernel(meta_4I, lhs_RK, rhs_EKN)
+    if push is None:
+        return kernel(meta_4I, lhs_RK, rhs_EKN)
+    return kernel(meta_4I, lhs_RK, rhs_EKN, seg_3X.astype(jnp.int32))

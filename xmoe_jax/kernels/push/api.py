@@ -14,11 +14,21 @@ None picks mgpu on a Hopper GPU and xla on CPU; elsewhere (ROCm, pre-Hopper NVID
 push kernel and the call is refused, naming the `bucketed` transport (resolve.py refuses such a
 run at start-up already). Not differentiable by itself: moe/exchange.py's custom VJP runs the
 reverse plan through it.
+
+    out_MD = gmm_push(lhs_RK, rhs_EKN, group_sizes_E, meta_3X, out_rows=M, axis_name=..., num_peers=P, max_piece=C)
+
+is `push_rows(gmm(lhs_RK, rhs_EKN, group_sizes_E), meta_3X, ...)` where the rows are grouped by local
+expert and update x = p * U + g moves (part of) group g: the return exchange of expert-major arrival.
+"mgpu" runs it as one kernel, the warp-specialized grouped GEMM whose epilogue stores each output
+tile's rows straight into the peers' buffers (gmm/mgpu_ws.py, `PushSpec`), so the exchange runs
+under the GEMM; shapes that kernel refuses run the GEMM and then the push kernel. "xla": the grouped
+GEMM (kernels.gmm's default) and then the push reference.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from xmoe_jax.kernels.platform import is_hopper, platform
 from xmoe_jax.kernels.push import mgpu, xla
@@ -37,6 +47,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _implementation(implementation: str | None) -> str:
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    impl = implementation or ("xla" if platform() == "cpu" else "mgpu")
+    if impl == "mgpu":
+        reason = unavailable_reason() or ("no GPU to run Mosaic GPU on" if platform() == "cpu" else None)
+        if reason:
+            raise ValueError(f"parallel.transport=push: {reason}; use parallel.transport=bucketed")
+    return impl
+
+
 def push_rows(
     x_ND: jax.Array,
     meta_3X: jax.Array,
@@ -52,14 +73,45 @@ def push_rows(
 
     `max_piece` bounds any update's rows (the reference pads to it). `tuning`: mgpu's num_ctas,
     stages, block_bytes. Rows no update targets: zeros (xla), undefined (mgpu)."""
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    impl = implementation or ("xla" if platform() == "cpu" else "mgpu")
-    if impl == "mgpu":
-        reason = unavailable_reason() or ("no GPU to run Mosaic GPU on" if platform() == "cpu" else None)
-        if reason:
-            raise ValueError(f"parallel.transport=push: {reason}; use parallel.transport=bucketed")
+    if _implementation(implementation) == "mgpu":
         return mgpu.push_rows(
             x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, **tuning
         )
     return xla.push_rows_reference(x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, max_piece=max_piece)
+
+
+def gmm_push(
+    lhs_RK: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    meta_3X: jax.Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    num_peers: int,
+    max_piece: int,
+    implementation: str | None = None,
+) -> jax.Array:
+    """[out_rows, N] on each device: `push_rows(gmm(lhs_RK, rhs_EKN, group_sizes_E), meta_3X, ...)`
+    (module docstring), lhs's rows grouped by local expert (U = E groups per peer). Rows no update
+    targets: zeros (xla), undefined (mgpu)."""
+    from xmoe_jax.kernels import defaults, gmm
+    from xmoe_jax.kernels.gmm import mgpu_ws
+
+    impl = _implementation(implementation)
+    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[2]
+    if meta_3X.shape[1] != num_peers * num_groups:
+        raise ValueError(
+            f"gmm_push: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
+        )
+    config = defaults.ws_config(n_dim)
+    fused = impl == "mgpu" and out_rows % 8 == 0 and lhs_RK.dtype == rhs_EKN.dtype
+    if fused and not mgpu_ws.shape_reason(lhs_RK.dtype, lhs_RK.shape[1], n_dim, config, lhs_RK.shape[0]):
+        spec = mgpu_ws.PushSpec(axis_name, num_peers, num_groups, out_rows)
+        out_MD = mgpu_ws.gmm_ws(lhs_RK, rhs_EKN, group_sizes_E, config=config, push=spec, seg_3X=meta_3X)
+        return jax.lax.optimization_barrier(out_MD)  # as push_rows' result (mgpu.py says why)
+    y_RN = gmm(lhs_RK, rhs_EKN, group_sizes_E.astype(jnp.int32))
+    return push_rows(
+        y_RN, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_piece,
+        implementation=impl,
+    )  # fmt: skip
