@@ -9,7 +9,7 @@ F 1408); the push transport's compact layout (layouts.compact, expert-major arri
 its reverse is the return. The receive buffer holds the busiest GPU's rows (no overflow). Rows:
   dense   a dense [S, F] x [F, D] matmul of the grouped GEMM's FLOPs (S: the busiest GPU's rows)
   gemm    the down-projection alone (our ws kernel), the floor for the fused kernel
-  push    the return exchange alone (the push kernel)
+  return  the return exchange alone (the push kernel)
   serial  gemm, then push: what training ran before
   fused   gmm_push: the GEMM's epilogue stores every row on the GPU it came from
 Routings: `uniform`, and `skewed` (experts drawn with Zipf weights, s = 1: hot receivers).
@@ -78,7 +78,7 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None):
         def op(h):
             if mode == "gemm":
                 return gmm(h, w_LFD, gs_L)
-            if mode == "push":
+            if mode == "return":
                 return push_rows(h, meta_3X, **kw, implementation=impl)
             if mode == "serial":
                 return push_rows(gmm(h, w_LFD, gs_L), meta_3X, **kw, implementation=impl)
@@ -89,7 +89,7 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None):
                 return push_rows(y, meta_3X, **kw, implementation="xla")
             raise ValueError(mode)
 
-        if mode == "push":  # rows of the GEMM's output width
+        if mode == "return":  # rows of the GEMM's output width
             h_MF = jnp.tile(h_MF, (1, -(-w_LFD.shape[2] // h_MF.shape[1])))[:, : w_LFD.shape[2]]
 
         def step(_, carry):
@@ -150,8 +150,9 @@ def main() -> int:
         ref = got["reference"]
         err = {m: float(np.linalg.norm(got[m] - ref) / np.linalg.norm(ref)) for m in ("serial", "fused")}
         exact = bool(np.array_equal(got["fused"], got["serial"]))
-        busiest = int(num_recv)
-        flops = 2 * busiest * shape["hidden"] * shape["dim"]
+        busiest = int(np.bincount(topk.reshape(-1) // (shape["experts"] // peers), minlength=peers).max())
+        flops = 2 * busiest * shape["hidden"] * shape["dim"]  # the busiest GPU's grouped rows
+        sent_bytes = int(sent.reshape(peers, -1).sum(1).max()) * shape["dim"] * 2  # the busiest sender's rows
         rec.add(
             case=case,
             kind="check",
@@ -169,7 +170,7 @@ def main() -> int:
                     0, n, lambda _, x: (x[0].at[0, 0].set(x[1][0, 0]), x[0] @ b), (a, a @ b)
                 )[1]
             )
-            for mode in ("dense", "gemm", "push", "serial", "fused"):
+            for mode in ("dense", "gemm", "return", "serial", "fused"):
                 fn = dense if mode == "dense" else run(mode)
                 args_ = (a, b) if mode == "dense" else inputs
                 jax.block_until_ready(fn(*args_, 2))  # compile and warm
@@ -182,18 +183,21 @@ def main() -> int:
                         ts.append(time.perf_counter() - t0)
                     best[loops] = min(ts)
                 times[mode] = (best[25] - best[5]) / 20
-                rec.add(
-                    case=case, kind="time", mode=mode, ms=times[mode] * 1e3, tflops=flops / times[mode] / 1e12
+                rate = (
+                    {"gb_s": sent_bytes / times[mode] / 1e9}
+                    if mode == "return"
+                    else {"tflops": flops / times[mode] / 1e12}
                 )
-            hidden = (times["serial"] - times["fused"]) / times["push"]
+                rec.add(case=case, kind="time", mode=mode, ms=times[mode] * 1e3, **rate)
+            hidden = (times["serial"] - times["fused"]) / times["return"]
             rows.append((case, exact, err["fused"], times, hidden))
     if rows:
         print(
-            "\n| routing | fused == serial | rel err | dense ms | gemm ms | push ms | serial ms | fused ms | fused / serial | push hidden |"
+            "\n| routing | fused == serial | rel err | dense ms | gemm ms | return ms | serial ms | fused ms | fused / serial | return hidden |"
         )
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for case, exact, err_, t, hidden in rows:
-            ms = " | ".join(f"{t[m] * 1e3:.3f}" for m in ("dense", "gemm", "push", "serial", "fused"))
+            ms = " | ".join(f"{t[m] * 1e3:.3f}" for m in ("dense", "gemm", "return", "serial", "fused"))
             print(f"| {case} | {exact} | {err_:.2e} | {ms} | {t['fused'] / t['serial']:.3f} | {hidden:.0%} |")
     return 0
 

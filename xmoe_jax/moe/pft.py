@@ -56,6 +56,9 @@ from xmoe_jax.moe.transports import Transport, gmm_move
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
 
 
+ROW_ALIGN = 8  # the compact receive buffer's rows are a multiple of this (Mosaic tiles GMEM rows by 8)
+
+
 class ExchangeSpec(NamedTuple):
     """The exchange one pft dispatch runs: all it needs to know of the layer (static)."""
 
@@ -78,7 +81,10 @@ def _buffer_rows(
 ) -> int:
     """Rows of a receive buffer that holds what `sources` devices send one device (all P peers
     for the compact layout, one per chunk of the chunked layout): at most T*min(K, L) per source
-    (L*C with a per-expert capacity C), capped at f x the average, T*K*sources/P."""
+    (L*C with a per-expert capacity C), capped at f x the average, T*K*sources/P. The compact
+    buffer is rounded up to a multiple of ROW_ALIGN rows: the expert GEMMs run on it in place, and
+    our Mosaic kernels take only such row counts (gmm/mgpu_ws.py; a factor's row count fell back
+    to Pallas)."""
     local_experts = num_experts // num_peers
     sources = 1 if per_pair else num_peers
     worst = sources * num_tokens * min(top_k, local_experts)
@@ -86,7 +92,7 @@ def _buffer_rows(
         worst = min(worst, sources * local_experts * capacity)
     if factor is not None:
         worst = min(worst, math.ceil(factor * num_tokens * top_k / (num_peers if per_pair else 1)))
-    return max(worst, 1)
+    return max(worst, 1) if per_pair else -(-max(worst, 1) // ROW_ALIGN) * ROW_ALIGN
 
 
 def recv_rows(

@@ -21,7 +21,8 @@ is `push_rows(gmm(lhs_RK, rhs_EKN, group_sizes_E), meta_3X, ...)` where the rows
 expert and update x = p * U + g moves (part of) group g: the return exchange of expert-major arrival.
 "mgpu" runs it as one kernel, the warp-specialized grouped GEMM whose epilogue stores each output
 tile's rows straight into the peers' buffers (gmm/mgpu_ws.py, `PushSpec`), so the exchange runs
-under the GEMM; shapes that kernel refuses run the GEMM and then the push kernel. "xla": the grouped
+under the GEMM; shapes that kernel refuses, and a gmm default other than ws (XMOE_KERNELS=pallas),
+run the GEMM and then the push kernel. "xla": the grouped
 GEMM (kernels.gmm's default) and then the push reference.
 """
 
@@ -105,7 +106,9 @@ def gmm_push(
             f"gmm_push: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
         )
     config = defaults.ws_config(n_dim)
-    fused = impl == "mgpu" and out_rows % 8 == 0 and lhs_RK.dtype == rhs_EKN.dtype
+    # one kernel where the contiguous gmm runs on ws (XMOE_KERNELS=pallas: the GEMM, then the push kernel)
+    fused = impl == "mgpu" and defaults.default_implementation("gmm") == "ws"
+    fused = fused and out_rows % 8 == 0 and lhs_RK.dtype == rhs_EKN.dtype
     if fused and not mgpu_ws.shape_reason(lhs_RK.dtype, lhs_RK.shape[1], n_dim, config, lhs_RK.shape[0]):
         spec = mgpu_ws.PushSpec(axis_name, num_peers, num_groups, out_rows)
         out_MD = mgpu_ws.gmm_ws(lhs_RK, rhs_EKN, group_sizes_E, config=config, push=spec, seg_3X=meta_3X)
