@@ -63,6 +63,41 @@ def test_the_kernel_lowers_to_mosaic_gpu_for_cuda(k_dim, n_dim, transpose):
     assert "mosaic_gpu" in text and "xmoe_gmm_ws" in text
 
 
+def test_the_push_epilogue_lowers_to_mosaic_gpu_for_cuda():
+    """gmm_push's kernel (the down-projection's epilogue storing rows on 4 peers, then the semaphore
+    count) through jax.export for CUDA on this CPU: [out_rows, N] per device, the rows behind a barrier
+    (kernels/push/mgpu.py says why)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    peers, local, rows, out_rows = 4, 4, 768, 1024
+    mesh = jax.make_mesh((peers,), ("expert",), axis_types=(AxisType.Explicit,))
+    spec = PartitionSpec("expert")
+    push = mgpu_ws.PushSpec("expert", peers, local, out_rows)
+
+    def body(h, w, gs, seg):
+        y = mgpu_ws.gmm_ws(h, w, gs[0], config=defaults.ws_config(2048), push=push, seg_3X=seg[0])
+        assert y.shape == (out_rows, 2048)
+        return y
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False))
+    on = NamedSharding(mesh, spec)
+    args = (
+        jax.ShapeDtypeStruct((peers * rows, 1408), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((peers * local, 1408, 2048), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((peers, local), jnp.int32, sharding=on),
+        jax.ShapeDtypeStruct((peers, 3, peers * local), jnp.int32, sharding=on),
+    )
+    text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text and "xmoe_gmm_ws_push" in text
+    with pytest.raises(ValueError, match="seg_3X"):
+        mgpu_ws.gmm_ws(
+            jnp.zeros((256, 64), jnp.bfloat16),
+            jnp.zeros((2, 64, 256), jnp.bfloat16),
+            jnp.asarray([9, 9]),
+            push=push,
+        )
+
+
 def test_shapes_it_cannot_take_are_refused_before_tracing():
     cfg = defaults.ws_config(1408)
     bf16 = jnp.bfloat16
@@ -102,7 +137,16 @@ def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "ws.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "scripts/bench_gmm_ws.py", "--tiny", "--iters", "1", "--no-torch", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "scripts/bench_gmm_ws.py",
+        "--tiny",
+        "--iters",
+        "1",
+        "--no-torch",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| case / pass | variant |" in proc.stdout

@@ -408,3 +408,38 @@ def test_experts_read_and_write_received_rows_in_place(activation: str, impl: st
     assert rel_err(g_x, g_x_ref) < tol and not np.any(np.asarray(g_x)[~received])
     for name in g_exp:
         assert rel_err(g_exp[name], g_exp_ref[name]) < tol, name
+
+
+# ----------------------------------------------------------------------------- push: the return inside the down-projection
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "after"])
+def test_push_returns_rows_from_inside_the_down_projection(fused: bool, monkeypatch) -> None:
+    """push (expert-major arrival) runs the return exchange inside the down-projection's kernel
+    (experts.returned_experts; on CPU its reference: the GEMM, then the push reference), and
+    XMOE_FUSED_RETURN=off runs it after the GEMM: both equal the dense oracle, values and
+    gradients, with rows that overflow (the backward moves the cotangent forward, then the GEMMs')."""
+    import sys
+
+    import xmoe_jax.moe.pft as pft_module
+
+    monkeypatch.setattr(sys.modules[__name__], "_pft_fn", _pft_fn.__wrapped__)  # traced here, with the spy
+    calls = []
+    real = pft_module.returned_experts
+    monkeypatch.setattr(pft_module, "returned_experts", lambda *a: calls.append(1) or real(*a))
+    if not fused:
+        monkeypatch.setenv("XMOE_FUSED_RETURN", "off")
+    cfg = dataclasses.replace(CFG_A, drop_policy="probs")
+    par = ParallelConfig(dispatch="pft", recv_buffer_factor=0.5, transport="push")
+    params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
+    out = _check(cfg, (2, 4, 1), params, x, par)
+    assert int(out["aux"].num_overflow) > 0
+    assert bool(calls) == fused
+
+
+def test_compact_receive_buffers_hold_a_multiple_of_8_rows():
+    """The expert GEMMs run on the receive buffer in place, and our Mosaic kernels take only row
+    counts of a multiple of 8 (a factor's ceil(f * T * K) sent them all to Pallas at EP 2 and 4)."""
+    assert recv_rows(64, 6, 16384, 4, factor=1.2) == 117_968  # ceil(1.2 * 98,304) = 117,965
+    assert recv_rows(8, 2, 6, 4) == 48 and recv_rows(8, 2, 6, 4, factor=0.5) == 8
+    assert all(recv_rows(16, 3, t, 2, factor=f) % 8 == 0 for t in (5, 64, 100) for f in (None, 0.37, 1.1))

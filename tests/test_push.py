@@ -152,3 +152,28 @@ def test_the_kernel_runs_once_per_call_when_a_scan_stacks_its_rows():
     args = _abstract(mesh, ((peers * rows, 128), jnp.bfloat16), ((peers, 3, peers), jnp.int32))
     compiled = _on_axis(step, mesh).lower(*args).compile().as_text()  # compiled only, never run
     assert compiled.count('custom_call_target="mosaic_gpu_v2"') == 1
+
+
+def test_the_fused_return_benchmark_runs_tiny_on_cpu(tmp_path):
+    """scripts/bench_gmm_push.py --tiny on 2 fake CPU devices: the fused path's reference equals the
+    GEMM-then-push reference bit for bit on the rows sent, within bf16 of float32 (the GPU run checks
+    the Mosaic kernels the same way before timing them)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "gmm_push.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    cmd = [sys.executable, "scripts/bench_gmm_push.py", "--tiny", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = [r for r in json.loads(out.read_text())["results"] if r["kind"] == "check"]
+    assert {r["case"] for r in checks} == {"uniform", "skewed"}
+    assert all(r["fused_equals_serial"] and r["rel_err_fused"] < 1e-2 for r in checks), checks

@@ -123,6 +123,23 @@ def test_arrival_comes_from_the_record_and_the_env_turns_it_off(monkeypatch):
         transports.arrival(get("push"))
 
 
+def test_push_returns_inside_the_gemm_unless_arrival_or_the_env_says_otherwise(monkeypatch):
+    """push's return runs inside the down-projection (its record's gmm_move); not with source-major
+    arrival (the rows are not grouped), nor with XMOE_FUSED_RETURN=off; other values are refused."""
+    from xmoe_jax.moe.exchange import move_push_gmm
+
+    assert transports.gmm_move(get("push")) is move_push_gmm
+    assert transports.gmm_move(get("exact")) is None and transports.gmm_move(get("emulated")) is None
+    monkeypatch.setenv(transports.ARRIVAL_ENV, "source")
+    assert transports.gmm_move(get("push")) is None
+    monkeypatch.delenv(transports.ARRIVAL_ENV)
+    monkeypatch.setenv(transports.FUSED_RETURN_ENV, "off")
+    assert transports.gmm_move(get("push")) is None
+    monkeypatch.setenv(transports.FUSED_RETURN_ENV, "on")
+    with pytest.raises(ValueError, match="XMOE_FUSED_RETURN='on': use off"):
+        transports.gmm_move(get("push"))
+
+
 def test_docs_show_the_table():
     assert transports.markdown_table() in (ROOT / "docs" / "exchange.md").read_text()
 
