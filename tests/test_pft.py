@@ -415,18 +415,19 @@ def test_experts_read_and_write_received_rows_in_place(activation: str, impl: st
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "after"])
 def test_push_returns_rows_from_inside_the_down_projection(fused: bool, monkeypatch) -> None:
-    """push (expert-major arrival) runs the return exchange inside the down-projection's kernel
-    (experts.returned_experts; on CPU its reference: the GEMM, then the push reference), and
-    XMOE_FUSED_RETURN=off runs it after the GEMM: both equal the dense oracle, values and
-    gradients, with rows that overflow (the backward moves the cotangent forward, then the GEMMs')."""
+    """push (expert-major arrival) runs the exchanges back to the sources inside the GEMMs before them
+    (experts.pushed_experts: the forward's return inside the down-projection, the backward's d x inside
+    the up-projections' data gradient; on CPU their reference: the GEMM, then the push reference), and
+    XMOE_FUSED_RETURN=off runs them after the GEMMs: both equal the dense oracle, values and gradients,
+    with rows that overflow."""
     import sys
 
     import xmoe_jax.moe.pft as pft_module
 
     monkeypatch.setattr(sys.modules[__name__], "_pft_fn", _pft_fn.__wrapped__)  # traced here, with the spy
     calls = []
-    real = pft_module.returned_experts
-    monkeypatch.setattr(pft_module, "returned_experts", lambda *a: calls.append(1) or real(*a))
+    real = pft_module.pushed_experts
+    monkeypatch.setattr(pft_module, "pushed_experts", lambda *a: calls.append(1) or real(*a))
     if not fused:
         monkeypatch.setenv("XMOE_FUSED_RETURN", "off")
     cfg = dataclasses.replace(CFG_A, drop_policy="probs")

@@ -214,16 +214,25 @@ def move_push(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -
     return match_vma(out_MD, x_ND)[0]
 
 
-def move_push_gmm(lhs_RF, rhs_EFD, group_sizes_E, plan: Plan, out_rows: int, axis_name: str, max_chunk: int):
+def move_push_gmm(
+    lhs_RF,
+    rhs_EFD,
+    group_sizes_E,
+    plan: Plan,
+    out_rows: int,
+    axis_name: str,
+    max_chunk: int,
+    transpose_rhs=False,
+):
     """`move_push(gmm(lhs_RF, rhs_EFD, group_sizes_E), plan, ...)` as one kernel: lhs's rows are grouped
     by local expert and the plan holds one update per (peer, local expert) (expert-major arrival's
-    reverse plan). Not differentiable by itself (experts.returned_experts holds its VJP)."""
+    reverse plan). Not differentiable by itself (experts.pushed_experts holds its VJP)."""
     from xmoe_jax.kernels.push import gmm_push  # the kernel's module imports Mosaic GPU
 
     meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
     out_MN = gmm_push(
         lhs_RF, rhs_EFD, group_sizes_E, meta_3X, out_rows=out_rows, axis_name=axis_name,
-        num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk,
+        num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk, transpose_rhs=transpose_rhs,
     )  # fmt: skip
     return match_vma(out_MN, lhs_RF)[0]
 

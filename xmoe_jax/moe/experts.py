@@ -14,9 +14,10 @@ rows through an index on load and write them through an index on store.
                     grouped -> arrival index and stores each output at its arrival row; d x is
                     stored back through the same index. Rows that arrived grouped by expert
                     (no index) are read and written in place.
-  returned_experts  (rows that arrived grouped by expert, a transport with a `gmm_move`) the same
-                    experts, whose down-projection kernel also runs the return exchange: each
-                    output row goes straight back to the source's send buffer (push: under the GEMM).
+  pushed_experts    (a transport that lands rows grouped by expert and has a `gmm_move`: push) the
+                    exchange and the same experts, whose GEMMs also run the exchanges back to the
+                    sources: the forward's return inside the down-projection, the backward's d x
+                    inside the up-projections' data-gradient GEMM (push: under the GEMM).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
-from xmoe_jax.remat import EXPERT_HIDDEN, EXPERT_OUT, tag
+from xmoe_jax.remat import EXCHANGE_IN, EXPERT_HIDDEN, EXPERT_OUT, tag
 
 if TYPE_CHECKING:
     from xmoe_jax.moe.transports import Transport
@@ -200,7 +201,7 @@ def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str
 
 
 class Return(NamedTuple):
-    """The return exchange `returned_experts` runs (static): the send buffer's rows, the receive
+    """The exchanges `pushed_experts` runs (static): the send buffer's rows, the receive
     buffer's rows, the axis, the transport (its `gmm_move`) and the most rows one update moves."""
 
     send_rows: int
@@ -372,18 +373,54 @@ def arrival_experts(
     return tag(y_MD, EXPERT_OUT)
 
 
-def returned_experts(
-    x_MD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str, plan, ret: Return
+def pushed_experts(
+    x_AD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str, plan, ret: Return
 ) -> jax.Array:
-    """`exchange(arrival_experts(x_MD, None, ...), plan.reverse())` for rows that arrived grouped by
-    local expert, with the return inside the down-projection's kernel (`ret.transport.gmm_move`):
-    [ret.send_rows, D], each output row in its source's send buffer. Keeps what `arrival_experts`
-    keeps, and the plan. Not for FP8 experts (their GEMMs have no such epilogue)."""
+    """exchange(arrival_experts(exchange(x_AD, plan), None, ...), plan.reverse()) for a transport that
+    lands rows grouped by local expert and runs a GEMM's output straight back (`ret.transport.gmm_move`):
+    [ret.send_rows, D], each output row in its source's send buffer. In both passes, the exchange that
+    carries rows back to their sources runs inside the GEMM before it: the forward's return inside the
+    down-projection (`_act_down_return`), the backward's d x inside the up-projections' data-gradient
+    GEMM (`_arrive_up`); push runs them under the GEMM. Keeps what `arrival_experts` keeps (the
+    received rows, tagged EXCHANGE_IN, and the pre-activation hidden), and the plan. Not for FP8
+    experts (their GEMMs have no such epilogue)."""
     gs_E = group_sizes_E.astype(jnp.int32)
     with jax.named_scope("experts"):
         w_up = tuple(experts[n] for n in _up_names(activation))
-        hidden = _tag_hidden(_gather_up(x_MD, None, w_up, gs_E, x_MD.shape[0]), activation)
+        hidden = _tag_hidden(_arrive_up(x_AD, w_up, gs_E, plan, ret), activation)
         return _act_down_return(hidden, experts["w_down"], gs_E, plan, ret, activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _arrive_up(x_AD, w_up: tuple, group_sizes_E, plan, ret: Return):
+    """Each up-projection of the rows the exchange `plan` brings here (grouped by local expert), [R, F]
+    per matrix. The received rows are the backward's residual, tagged EXCHANGE_IN (remat's
+    save_exchange keeps them; the exchange is not rerun). d x is the concatenated data-gradient GEMM
+    with the reverse exchange inside (`ret.transport.gmm_move`): rows straight back to the sources."""
+    x_MD = ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
+    return tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
+
+
+def _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret):
+    x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
+    hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
+    return hidden, (x_MD, w_up, group_sizes_E, plan)
+
+
+def _arrive_up_bwd(ret, res, d_hidden):
+    x_MD, w_up, group_sizes_E, plan = res
+    d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_MD.dtype)
+    rev = plan.reverse()
+    move = ret.transport.gmm_move
+    dx_AD = move(
+        d_RF, w_EDF, group_sizes_E, rev, ret.send_rows, ret.axis_name, ret.max_piece, transpose_rhs=True
+    )
+    dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E), w_up)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
+    return dx_AD, dw, None, zeros
+
+
+_arrive_up.defvjp(_arrive_up_fwd, _arrive_up_bwd)
 
 
 def _grouped_rows(arrival_R, group_sizes_E, num_rows: int) -> jax.Array:

@@ -24,8 +24,10 @@ Steps:
   6. the down-projection stores each output at its arrival row (in place, or scatter on store:
      no ungrouping copy); the outputs go back by the reverse exchange and are combined with
      the routing weights (combine kernel, float32 accumulation). A transport with a `gmm_move`
-     (push) runs that reverse exchange inside the down-projection's kernel: each output row goes
-     straight to its source (experts.returned_experts), and the "return" stage is empty. Receive-buffer rows that
+     (push) runs that reverse exchange inside the down-projection's kernel, and the backward's
+     inside the up-projections' data-gradient GEMM: each row goes straight back to its source
+     (experts.pushed_experts). There the "exchange" stage ends with the experts' output and the
+     "experts" and "return" stages are empty. Receive-buffer rows that
      hold no row stay unwritten in both passes' outputs; nothing reads them.
 With one peer there is no exchange: steps 5-6 are the experts and the combine in one piece
 (`experts.combined_experts`), whose backward pass keeps no [A, D] buffer.
@@ -49,12 +51,11 @@ from xmoe_jax.fp8.dispatch import fp8_exchange
 from xmoe_jax.kernels import combine, permute
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.exchange import exclusive_cumsum
-from xmoe_jax.moe.experts import Return, arrival_experts, combined_experts, returned_experts
+from xmoe_jax.moe.experts import Return, arrival_experts, combined_experts, pushed_experts
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
 from xmoe_jax.moe.transports import Transport, gmm_move
 from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
-
 
 ROW_ALIGN = 8  # the compact receive buffer's rows are a multiple of this (Mosaic tiles GMEM rows by 8)
 
@@ -195,19 +196,22 @@ def pft_stages(
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
         recipe = fp8_context.recipe_for("dispatch")  # FP8 on the wire, dequantized on arrival
-        x_recv_MD = lay.forward(x_send_AD) if recipe is None else fp8_exchange(lay.forward, x_send_AD, recipe)
-        x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
         send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
-        yield "exchange", (x_recv_MD,)
-        if lay.grouped and gmm_move(transport) and fp8_context.recipe_for("experts") is None:
-            # the down-projection's kernel sends each output row back itself (push: under the GEMM)
+        fused = lay.grouped and gmm_move(transport) and recipe is None
+        if fused and fp8_context.recipe_for("experts") is None:
+            # the exchanges back to the sources run inside the GEMMs before them (push: under them);
+            # the exchange stage ends after the up-projections, which the received rows go straight into
             ret = Return(lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece)
-            gs_L = lay.cc_PL.sum(0)
-            y_send_AD = tag(
-                returned_experts(x_recv_MD, experts, gs_L, spec.activation, lay.plan, ret), EXCHANGE_OUT
-            )
+            y_send_AD = pushed_experts(x_send_AD, experts, lay.cc_PL.sum(0), spec.activation, lay.plan, ret)
+            y_send_AD = tag(y_send_AD, EXCHANGE_OUT)
+            yield "exchange", (y_send_AD,)
             yield "experts", (y_send_AD,)
         else:
+            x_recv_MD = (
+                lay.forward(x_send_AD) if recipe is None else fp8_exchange(lay.forward, x_send_AD, recipe)
+            )
+            x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
+            yield "exchange", (x_recv_MD,)
             # the experts read the received rows in place and write their outputs back in place
             arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
             y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)

@@ -91,16 +91,17 @@ def gmm_push(
     axis_name: str,
     num_peers: int,
     max_piece: int,
+    transpose_rhs: bool = False,
     implementation: str | None = None,
 ) -> jax.Array:
     """[out_rows, N] on each device: `push_rows(gmm(lhs_RK, rhs_EKN, group_sizes_E), meta_3X, ...)`
-    (module docstring), lhs's rows grouped by local expert (U = E groups per peer). Rows no update
-    targets: zeros (xla), undefined (mgpu)."""
+    (module docstring), lhs's rows grouped by local expert (U = E groups per peer); rhs [E, N, K]
+    with `transpose_rhs`. Rows no update targets: zeros (xla), undefined (mgpu)."""
     from xmoe_jax.kernels import defaults, gmm
     from xmoe_jax.kernels.gmm import mgpu_ws
 
     impl = _implementation(implementation)
-    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[2]
+    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[1 if transpose_rhs else 2]
     if meta_3X.shape[1] != num_peers * num_groups:
         raise ValueError(
             f"gmm_push: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
@@ -111,9 +112,17 @@ def gmm_push(
     fused = fused and out_rows % 8 == 0 and lhs_RK.dtype == rhs_EKN.dtype
     if fused and not mgpu_ws.shape_reason(lhs_RK.dtype, lhs_RK.shape[1], n_dim, config, lhs_RK.shape[0]):
         spec = mgpu_ws.PushSpec(axis_name, num_peers, num_groups, out_rows)
-        out_MD = mgpu_ws.gmm_ws(lhs_RK, rhs_EKN, group_sizes_E, config=config, push=spec, seg_3X=meta_3X)
+        out_MD = mgpu_ws.gmm_ws(
+            lhs_RK,
+            rhs_EKN,
+            group_sizes_E,
+            config=config,
+            transpose_rhs=transpose_rhs,
+            push=spec,
+            seg_3X=meta_3X,
+        )
         return jax.lax.optimization_barrier(out_MD)  # as push_rows' result (mgpu.py says why)
-    y_RN = gmm(lhs_RK, rhs_EKN, group_sizes_E.astype(jnp.int32))
+    y_RN = gmm(lhs_RK, rhs_EKN, group_sizes_E.astype(jnp.int32), transpose_rhs=transpose_rhs)
     return push_rows(
         y_RN, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_piece,
         implementation=impl,
