@@ -137,16 +137,7 @@ def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "ws.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    cmd = [
-        sys.executable,
-        "scripts/bench_gmm_ws.py",
-        "--tiny",
-        "--iters",
-        "1",
-        "--no-torch",
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, "scripts/bench_gmm_ws.py", "--tiny", "--iters", "1", "--no-torch", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| case / pass | variant |" in proc.stdout

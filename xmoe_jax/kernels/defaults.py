@@ -21,13 +21,7 @@ from xmoe_jax.kernels.platform import is_hopper, platform
 # pallas, which gathers on load. ws needs Hopper: elsewhere it hands the call to pallas.
 DEFAULT_IMPLEMENTATION = {
     "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla"},
-    "cuda": {
-        "gmm": "ws",
-        "gmm_indexed": "pallas",
-        "tgmm": "pallas",
-        "gmm_fp8": "pallas",
-        "permute": "pallas",
-    },
+    "cuda": {"gmm": "ws", "gmm_indexed": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},
     "rocm": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},  # fp8: untested
 }
 
