@@ -30,6 +30,7 @@ import numpy as np
 from xmoe_jax.kernels import IMPLEMENTATIONS, combine, defaults, gmm, permute, tgmm
 from xmoe_jax.kernels.backends import reset_warnings
 from xmoe_jax.kernels.platform import platform
+from xmoe_jax.perf.recorder import Recorder
 from xmoe_jax.perf.timing import dense_matmul_tflops, environment, time_fn
 
 CONFIGS = {
@@ -52,21 +53,6 @@ def group_sizes(dist: str, rows: int, experts: int, seed: int = 0) -> jax.Array:
 
 def randn(seed, shape, dtype=jnp.bfloat16):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
-
-
-class Recorder:
-    def __init__(self, path, meta):
-        self.path, self.meta, self.rows = path, meta, []
-
-    def add(self, **row):
-        self.rows.append(row)
-        msg = " ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "trace"
-        )
-        print(msg, flush=True)
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump({**self.meta, "results": self.rows}, f, indent=1)
 
 
 def measure(rec: Recorder, iters: int, fn, args, flops=None, nbytes=None, **key):

@@ -34,7 +34,7 @@ from xmoe_jax.kernels.push import gmm_push, push_rows
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.transports import get
-from xmoe_jax.perf.fp8_bench import Recorder
+from xmoe_jax.perf.recorder import Recorder
 from xmoe_jax.perf.timing import environment
 
 AXIS = "x"

@@ -19,7 +19,6 @@ the ratio to torch. Every row goes to the JSON as it is measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # torch measures in the same process
@@ -32,6 +31,7 @@ from xmoe_jax.kernels import defaults, gmm  # noqa: E402
 from xmoe_jax.kernels.gmm import mgpu_ws  # noqa: E402
 from xmoe_jax.kernels.gmm.xla import gmm_xla  # noqa: E402
 from xmoe_jax.perf.gather_bench import _torch_grouped_ms  # noqa: E402
+from xmoe_jax.perf.recorder import Recorder  # noqa: E402
 from xmoe_jax.perf.timing import environment, time_fn  # noqa: E402
 
 W = mgpu_ws.WsConfig
@@ -84,18 +84,6 @@ def _operands(rows, experts, k_dim, n_dim, transpose, seed):
     return lhs, rhs
 
 
-class Recorder:
-    def __init__(self, path):
-        self.path, self.rows = path, []
-
-    def add(self, **row):
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump({"env": environment(), "rows": self.rows}, f, indent=1)
-
-
 def check(rec, configs, rows, experts, on_gpu, passes):
     """Every config and pass on a skewed case against float32 XLA (rows < sum(group_sizes))."""
     for pass_, (k_dim, n_dim, transpose) in passes.items():
@@ -125,7 +113,7 @@ def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch, passes):
         flops = 2.0 * rows * k_dim * n_dim
         key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=k_dim, n=n_dim)
 
-        def timed(variant, fn, *args):
+        def timed(variant, fn, *args, key=key, flops=flops):
             try:
                 ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
                 rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
@@ -179,7 +167,7 @@ def main() -> None:
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     configs = {k: CONFIGS[k] for k in (args.configs.split(",") if args.configs else CONFIGS)}
-    rec = Recorder(args.out)
+    rec = Recorder(args.out, environment())
     rows, cases = (512, {"ep1": 8, "ep4": 4}) if args.tiny else (98_304, {"ep1": 64, "ep4": 16})
     passes = TINY_PASSES if args.tiny else PASSES
     check(rec, configs, rows - 72, cases["ep1"], on_gpu, passes)  # rows not a multiple of the tiles: a partial last tile

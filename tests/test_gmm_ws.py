@@ -141,7 +141,7 @@ def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| case / pass | variant |" in proc.stdout
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text())["results"]
     assert not [r for r in rows if "error" in r], rows
     timed = {(r["case"], r["pass_"], r["variant"]) for r in rows if "ms" in r}
     for case in ("ep1", "ep4"):

@@ -8,7 +8,6 @@ Every measurement is isolated (an OOM or a lowering failure is recorded as a res
 from __future__ import annotations
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ from xmoe_jax.fp8.operands import quantize_lhs, quantize_rhs
 from xmoe_jax.kernels import defaults, gmm
 from xmoe_jax.kernels.gmm.pallas_fp8 import gmm_fp8_pallas
 from xmoe_jax.kernels.platform import interpret
-from xmoe_jax.perf.timing import time_fn
+from xmoe_jax.perf.recorder import Recorder  # noqa: F401  (scripts/bench_fp8.py: fp8_bench.Recorder)
 
 # Expert shapes of the issue, up projection: Small (X-MoE: D=2048 F=1408 E=64 k=6) and Large
 # (DeepSeek-V3: D=7168 F=2048 E=256 k=8) as one GPU of 8-way expert parallelism holds it: 32 local
@@ -47,30 +46,6 @@ def group_sizes(dist: str, rows: int, experts: int, seed: int = 0) -> np.ndarray
 
 def randn(seed, shape, scale=1.0, dtype=jnp.bfloat16):
     return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
-
-
-class Recorder:
-    def __init__(self, path, meta):
-        self.path, self.meta, self.rows = path, meta, []
-
-    def add(self, **row):
-        self.rows.append(row)
-        print(
-            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-            flush=True,
-        )
-        if self.path:
-            with open(self.path, "w") as f:
-                json.dump({**self.meta, "results": self.rows}, f, indent=1)
-
-    def measure(self, fn, args, flops, iters=10, **key):
-        try:
-            seconds = time_fn(fn, *args, warmup=2, iters=iters)
-            self.add(**key, ms=seconds * 1e3, tflops=flops / seconds / 1e12)
-            return seconds
-        except Exception as e:  # noqa: BLE001  (a failure is a result)
-            self.add(**key, error=f"{type(e).__name__}: {str(e)[:400]}")
-            return None
 
 
 def check(rec: Recorder, rows: int = 3000, k: int = 1024, n: int = 704) -> bool:

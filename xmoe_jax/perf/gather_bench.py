@@ -25,7 +25,7 @@ from xmoe_jax.kernels.backends import reset_warnings
 from xmoe_jax.kernels.gmm.xla import gmm_xla
 from xmoe_jax.moe.experts import _permute_up
 from xmoe_jax.moe.pft import _arrival_index
-from xmoe_jax.perf.fp8_bench import Recorder  # one results recorder for the kernel benchmarks
+from xmoe_jax.perf.recorder import Recorder
 from xmoe_jax.perf.timing import environment, time_fn
 
 CASES = {  # (tokens, top_k, experts, sources, D, F); ep4: tokens*top_k rows arrive from `sources`
