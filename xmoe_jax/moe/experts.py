@@ -216,7 +216,8 @@ def _act_down_return(hidden, w_EFD, group_sizes_E, plan, ret: Return, activation
     """exchange(gmm(act(hidden), w), plan.reverse()) with the exchange inside the GEMM's kernel
     (`ret.transport.gmm_move`): [send_rows, D], each output row back in its source's send buffer.
     The backward moves the cotangent forward (the dispatch's direction) into the grouped rows, then
-    runs `_act_down_scatter`'s backward; it keeps what that keeps, and the plan."""
+    runs the down-projection's backward (`_act_down_bwd`); it keeps what `_act_down_scatter` keeps,
+    and the plan."""
     act_RF = _act(*hidden, activation)
     w = w_EFD.astype(act_RF.dtype)
     move = ret.transport.gmm_move
