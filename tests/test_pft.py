@@ -444,3 +444,32 @@ def test_compact_receive_buffers_hold_a_multiple_of_8_rows():
     assert recv_rows(64, 6, 16384, 4, factor=1.2) == 117_968  # ceil(1.2 * 98,304) = 117,965
     assert recv_rows(8, 2, 6, 4) == 48 and recv_rows(8, 2, 6, 4, factor=0.5) == 8
     assert all(recv_rows(16, 3, t, 2, factor=f) % 8 == 0 for t in (5, 64, 100) for f in (None, 0.37, 1.1))
+
+
+def test_rows_a_push_leaves_unwritten_are_never_read(monkeypatch) -> None:
+    """On a GPU the push kernels leave the send-buffer rows no update writes undefined, such as those of
+    copies that overflowed. pft must neither combine them (even at weight 0: 0 x NaN) nor read them in
+    permute's backward (at weight 1). Here the reference fills such rows with NaN: values and gradients
+    still equal the dense oracle."""
+    import sys
+
+    from xmoe_jax.kernels.push import xla as push_xla
+
+    real = push_xla.push_rows_reference
+    layout = (2, 4, 1)
+    send_rows = T // (layout[0] * layout[1]) * CFG_A.top_k
+
+    def undefined_where_unwritten(x_ND, meta_3X, *, out_rows, **kw):
+        out = real(x_ND, meta_3X, out_rows=out_rows, **kw)
+        if out_rows != send_rows:  # the receive buffer: rows past the sum are never read by the GEMMs
+            return out
+        hit = real(jnp.ones((x_ND.shape[0], 1), x_ND.dtype), meta_3X, out_rows=out_rows, **kw)
+        return jnp.where(hit > 0, out, jnp.nan)
+
+    monkeypatch.setattr(push_xla, "push_rows_reference", undefined_where_unwritten)
+    monkeypatch.setattr(sys.modules[__name__], "_pft_fn", _pft_fn.__wrapped__)  # traced with the NaN rows
+    cfg = dataclasses.replace(CFG_A, drop_policy="probs")
+    par = ParallelConfig(dispatch="pft", recv_buffer_factor=0.5, transport="push")
+    params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
+    out = _check(cfg, layout, params, x, par)
+    assert int(out["aux"].num_overflow) > 0

@@ -192,7 +192,10 @@ def pft_stages(
         else:
             sizes = (num_e, spec.recv_rows, axis_name, num_peers, transport, decomposed)
             lay = layouts.compact(topk_idx_TK, keep_TK, pos_TK, *sizes)
-        dest_TK, sent_TK = lay.dest_TK, lay.sent_TK
+        sent_TK = lay.sent_TK
+        # copies that overflow are neither written to the send buffer nor read back from it: a transport
+        # may leave rows it did not move undefined (push), and permute's VJP reads each copy's row at weight 1
+        dest_TK = jnp.where(sent_TK, lay.dest_TK, lay.num_send)
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
         yield "send_buffer", (x_send_AD,)
         recipe = fp8_context.recipe_for("dispatch")  # FP8 on the wire, dequantized on arrival
