@@ -12,7 +12,9 @@ its reverse is the return. The receive buffer holds the busiest GPU's rows (no o
   return  the return exchange alone (the push kernel)
   serial  gemm, then push: what training ran before
   fused   gmm_push: the GEMM's epilogue stores every row on the GPU it came from
-Routings: `uniform`, and `skewed` (experts drawn with Zipf weights, s = 1: hot receivers).
+Routings: `uniform`, and `skewed` (experts drawn with Zipf weights, s = 1: hot receivers). Passes: `down`, the
+down-projection ([M, F] x [F, D]: the forward's return), and `dgrad`, the up-projection's data gradient ([M, F] x
+[D, F]^T: the backward's d x, the kernel reading its weights transposed).
 Correctness first: fused equals serial bit for bit on the rows sent (same tiles, same sums), and both
 are compared with a float32 XLA reference (relative error). Each time: (25 calls in one compiled loop
 - 5) / 20, best of 3; every call reads the previous call's output, so none is hoisted.
@@ -56,8 +58,9 @@ def recv_rows(topk: np.ndarray, peers: int, experts: int) -> int:
     return int(-(-per_gpu.max() // 128) * 128)
 
 
-def build(peers: int, shape: dict, num_recv: int, impl: str | None):
-    """jit(shard_map): (h, w, topk, pos, loops, mode) -> (the output, the sent rows' mask)."""
+def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool):
+    """jit(shard_map): (h, w, topk, pos, loops, mode) -> (the output, the sent rows' mask); `transpose`:
+    w is [E, D, F] read transposed (the up-projection's data gradient)."""
     mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = PartitionSpec(AXIS)
     push_t = get("push")
@@ -77,20 +80,24 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None):
 
         def op(h):
             if mode == "gemm":
-                return gmm(h, w_LFD, gs_L)
+                return gmm(h, w_LFD, gs_L, transpose_rhs=transpose)
             if mode == "return":
                 return push_rows(h, meta_3X, **kw, implementation=impl)
             if mode == "serial":
-                return push_rows(gmm(h, w_LFD, gs_L), meta_3X, **kw, implementation=impl)
+                return push_rows(
+                    gmm(h, w_LFD, gs_L, transpose_rhs=transpose), meta_3X, **kw, implementation=impl
+                )
             if mode == "fused":
-                return gmm_push(h, w_LFD, gs_L, meta_3X, **kw, implementation=impl)
+                return gmm_push(h, w_LFD, gs_L, meta_3X, **kw, transpose_rhs=transpose, implementation=impl)
             if mode == "reference":  # float32 GEMM, the push reference
-                y = gmm_xla(h.astype(jnp.float32), w_LFD.astype(jnp.float32), gs_L, out_dtype=jnp.float32)
+                f32 = jnp.float32
+                y = gmm_xla(h.astype(f32), w_LFD.astype(f32), gs_L, out_dtype=f32, transpose_rhs=transpose)
                 return push_rows(y, meta_3X, **kw, implementation="xla")
             raise ValueError(mode)
 
         if mode == "return":  # rows of the GEMM's output width
-            h_MF = jnp.tile(h_MF, (1, -(-w_LFD.shape[2] // h_MF.shape[1])))[:, : w_LFD.shape[2]]
+            n_dim = w_LFD.shape[1 if transpose else 2]
+            h_MF = jnp.tile(h_MF, (1, -(-n_dim // h_MF.shape[1])))[:, :n_dim]
 
         def step(_, carry):
             h, y = carry
@@ -120,6 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU dry run)")
     ap.add_argument("--cases", default="uniform,skewed")
+    ap.add_argument("--passes", default="down,dgrad", help="down: [M, F] x [F, D]; dgrad: [M, F] x [D, F]^T")
     args = ap.parse_args()
     shape = TINY if args.tiny else SMALL
     peers = jax.device_count()
@@ -127,15 +135,21 @@ def main() -> int:
     impl = None if on_gpu else "xla"
     rec = Recorder(args.out, {**environment(), "shape": shape, "peers": peers})
     rows = []
-    for case in args.cases.split(","):
+    for pass_, case in [(p, c) for p in args.passes.split(",") for c in args.cases.split(",")]:
+        transpose = pass_ == "dgrad"
         topk = routing(case, peers, shape["tokens"], shape["top_k"], shape["experts"])
         num_recv = recv_rows(topk, peers, shape["experts"])
-        run, mesh = build(peers, shape, num_recv, impl)
+        run, mesh = build(peers, shape, num_recv, impl, transpose)
         on = NamedSharding(mesh, PartitionSpec(AXIS))
         keys = jax.random.split(jax.random.key(1), 2)
         h = jax.device_put(jax.random.normal(keys[0], (peers * num_recv, shape["hidden"]), jnp.bfloat16), on)
-        w = jax.random.normal(keys[1], (shape["experts"], shape["hidden"], shape["dim"]), jnp.float32) * 0.03
-        w = jax.device_put(w.astype(jnp.bfloat16), on)  # [P * L, F, D]: GPU p holds experts p * L ...
+        w_shape = (
+            (shape["experts"], shape["dim"], shape["hidden"])
+            if transpose
+            else (shape["experts"], shape["hidden"], shape["dim"])
+        )
+        w = jax.random.normal(keys[1], w_shape, jnp.float32) * 0.03
+        w = jax.device_put(w.astype(jnp.bfloat16), on)  # [P * L, ...]: GPU p holds experts p * L ...
         pos = np.concatenate(
             [
                 np.asarray(expert_positions(jnp.asarray(t), jnp.ones(t.shape), shape["experts"], "position"))
@@ -155,6 +169,7 @@ def main() -> int:
         sent_bytes = int(sent.reshape(peers, -1).sum(1).max()) * shape["dim"] * 2  # the busiest sender's rows
         rec.add(
             case=case,
+            pass_=pass_,
             kind="check",
             fused_equals_serial=exact,
             rel_err_fused=err["fused"],
@@ -188,12 +203,12 @@ def main() -> int:
                     if mode == "return"
                     else {"tflops": flops / times[mode] / 1e12}
                 )
-                rec.add(case=case, kind="time", mode=mode, ms=times[mode] * 1e3, **rate)
+                rec.add(case=case, pass_=pass_, kind="time", mode=mode, ms=times[mode] * 1e3, **rate)
             hidden = (times["serial"] - times["fused"]) / times["return"]
-            rows.append((case, exact, err["fused"], times, hidden))
+            rows.append((f"{pass_}, {case}", exact, err["fused"], times, hidden))
     if rows:
         print(
-            "\n| routing | fused == serial | rel err | dense ms | gemm ms | return ms | serial ms | fused ms | fused / serial | return hidden |"
+            "\n| pass, routing | fused == serial | rel err | dense ms | gemm ms | return ms | serial ms | fused ms | fused / serial | return hidden |"
         )
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for case, exact, err_, t, hidden in rows:

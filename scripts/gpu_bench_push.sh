@@ -25,8 +25,9 @@
 # of grouped by expert (layouts.compact), for measuring expert-major arrival; its losses must equal depth_push's.
 # Part `depth_unfused` (about 5 minutes): push at depth with the return exchange after the down-projection
 # (XMOE_FUSED_RETURN=off) instead of inside its kernel (kernels/push: gmm_push); its losses must equal depth_push's.
-# Part `gmm_push` (about 2 minutes): scripts/bench_gmm_push.py, the down-projection with the return inside against
-# the GEMM and then the push kernel (checked bit for bit against each other first); GMM_PUSH_ARGS=--tiny on a CPU.
+# Part `gmm_push` (about 4 minutes): scripts/bench_gmm_push.py, the down-projection and the up-projection's data
+# gradient with the exchange back inside, against the GEMM and then the push kernel (checked bit for bit against each
+# other first); GMM_PUSH_ARGS=--tiny on a CPU.
 # DEPTH_LAYERS=12 runs the depth parts at 12 layers (2 GPUs hold that, not 28), DEPTH_LIMIT their time limit (560 s).
 # Part `depth_mem` (about 4 minutes): why the 28-layer push step runs out of memory where bucketed fits.
 # xmoe-plan --real-devices compiles the depth step for push and bucketed (XLA's own temporaries, and
@@ -63,7 +64,7 @@ for part in ${PARTS:-exchange scaling}; do
           --set train.tensorboard=false --set parallel.transport=$transport
       done ;;
     gmm_push)  # the down-projection with the return exchange inside, against the two kernels in a row
-      step gmm_push "${GMM_PUSH_LIMIT:-240}" python3 scripts/bench_gmm_push.py --out "$OUT/gmm_push.json" ${GMM_PUSH_ARGS:-} ;;
+      step gmm_push "${GMM_PUSH_LIMIT:-400}" python3 scripts/bench_gmm_push.py --out "$OUT/gmm_push.json" ${GMM_PUSH_ARGS:-} ;;
     overlap)
       step overlap_default 150 python3 scripts/bench_push_overlap.py --rows "$ROWS" --gemm-rows $((4 * ROWS)) \
         --out "$OUT/overlap_default.json"

@@ -155,9 +155,9 @@ def test_the_kernel_runs_once_per_call_when_a_scan_stacks_its_rows():
 
 
 def test_the_fused_return_benchmark_runs_tiny_on_cpu(tmp_path):
-    """scripts/bench_gmm_push.py --tiny on 2 fake CPU devices: the fused path's reference equals the
-    GEMM-then-push reference bit for bit on the rows sent, within bf16 of float32 (the GPU run checks
-    the Mosaic kernels the same way before timing them)."""
+    """scripts/bench_gmm_push.py --tiny on 2 fake CPU devices, both passes (the down-projection and the
+    transposed data gradient): the fused path's reference equals the GEMM-then-push reference bit for bit
+    on the rows sent, within bf16 of float32 (the GPU run checks the Mosaic kernels the same way first)."""
     import json
     import os
     import pathlib
@@ -175,5 +175,7 @@ def test_the_fused_return_benchmark_runs_tiny_on_cpu(tmp_path):
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checks = [r for r in json.loads(out.read_text())["results"] if r["kind"] == "check"]
-    assert {r["case"] for r in checks} == {"uniform", "skewed"}
+    assert {(r["pass_"], r["case"]) for r in checks} == {
+        (p, c) for p in ("down", "dgrad") for c in ("uniform", "skewed")
+    }
     assert all(r["fused_equals_serial"] and r["rel_err_fused"] < 1e-2 for r in checks), checks
