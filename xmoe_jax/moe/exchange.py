@@ -237,6 +237,11 @@ def move_push_gmm(
     return match_vma(out_MN, lhs_RF)[0]
 
 
+def no_cotangent(plan: Plan) -> Plan:
+    """A plan's cotangent in a custom VJP: its integer offsets and sizes have none (float0 zeros)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def exchange(
     x_ND, plan: Plan, out_rows: int, in_rows: int, axis_name: str, transport: Transport, max_chunk: int
@@ -256,8 +261,7 @@ def _exchange_fwd(x_ND, plan, out_rows, in_rows, axis_name, transport, max_chunk
 
 def _exchange_bwd(out_rows, in_rows, axis_name, transport, max_chunk, plan, g_MD):
     g_ND = transport.move(g_MD, plan.reverse(), in_rows, axis_name, max_chunk)
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
-    return g_ND, zeros
+    return g_ND, no_cotangent(plan)
 
 
 exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -32,6 +32,7 @@ import numpy as np
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
+from xmoe_jax.moe.exchange import no_cotangent
 from xmoe_jax.remat import EXCHANGE_IN, EXPERT_HIDDEN, EXPERT_OUT, tag
 
 if TYPE_CHECKING:
@@ -233,8 +234,7 @@ def _act_down_return_bwd(ret, activation, res, d_AD):
     hidden, w_EFD, group_sizes_E, plan = res
     d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
     d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
-    return d_hidden, dw_EFD, None, zeros
+    return d_hidden, dw_EFD, None, no_cotangent(plan)
 
 
 _act_down_return.defvjp(_act_down_return_fwd, _act_down_return_bwd)
@@ -398,8 +398,7 @@ def _arrive_up(x_AD, w_up: tuple, group_sizes_E, plan, ret: Return):
     per matrix. The received rows are the backward's residual, tagged EXCHANGE_IN (remat's
     save_exchange keeps them; the exchange is not rerun). d x is the concatenated data-gradient GEMM
     with the reverse exchange inside (`ret.transport.gmm_move`): rows straight back to the sources."""
-    x_MD = ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
-    return tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
+    return _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret)[0]
 
 
 def _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret):
@@ -417,8 +416,7 @@ def _arrive_up_bwd(ret, res, d_hidden):
         d_RF, w_EDF, group_sizes_E, rev, ret.send_rows, ret.axis_name, ret.max_piece, transpose_rhs=True
     )
     dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E), w_up)
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
-    return dx_AD, dw, None, zeros
+    return dx_AD, dw, None, no_cotangent(plan)
 
 
 _arrive_up.defvjp(_arrive_up_fwd, _arrive_up_bwd)
