@@ -25,6 +25,9 @@
 # of grouped by expert (layouts.compact), for measuring expert-major arrival; its losses must equal depth_push's.
 # Part `depth_unfused` (about 5 minutes): push at depth with the return exchange after the down-projection
 # (XMOE_FUSED_RETURN=off) instead of inside its kernel (kernels/push: gmm_push); its losses must equal depth_push's.
+# Part `depth_sized` (DEPTH_STEPS=200 in about 9 minutes: one call): push at depth with its one receive buffer sized
+# once at the factor a learned router reaches within 15 steps (parallel.recv_buffer_factor=$SIZED_FACTOR, 2.5) instead
+# of grown to it from 1.2 (three recompiles, each rerunning a step); for the whole run against its last window.
 # Part `gmm_push` (about 4 minutes): scripts/bench_gmm_push.py, the down-projection and the up-projection's data
 # gradient with the exchange back inside, against the GEMM and then the push kernel (checked bit for bit against each
 # other first); GMM_PUSH_ARGS=--tiny on a CPU.
@@ -96,6 +99,7 @@ for part in ${PARTS:-exchange scaling}; do
         depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
         depth_source) name=push_$part transport=push && export XMOE_ARRIVAL=source ;;
         depth_unfused) name=push_$part transport=push && export XMOE_FUSED_RETURN=off ;;
+        depth_sized) name=push_$part transport=push lever="--set parallel.recv_buffer_factor=${SIZED_FACTOR:-2.5}" ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
       ep_step "$name" "${DEPTH_LIMIT:-560}" "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \

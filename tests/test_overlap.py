@@ -347,9 +347,8 @@ def test_kernel_overlap_measures_nccl_time_under_gemms():
     (rep,) = kernel_overlap.report(kernel_overlap.device_kernels(serial)).values()
     assert rep["overlap_ms"] == 0 and "serial" in kernel_overlap.format_report({"gpu": rep})
     assert [
-        kernel_overlap.kernel_kind(n) for n in ("nvjet_hsh_128x256", "sm90_xmma_gemm_bf16", "fusion_3")
-    ] == [
-        "gemm",
-        "gemm",
-        "compute",
-    ]
+        kernel_overlap.kernel_kind(n)
+        for n in ("nvjet_hsh_128x256", "sm90_xmma_gemm_bf16", "fusion_3", "xmoe_push_mosaic_gpu_kernel")
+    ] == ["gemm", "gemm", "compute", "nccl"]
+    # our push kernel is the exchange; the GEMM with the push inside it stays a GEMM
+    assert kernel_overlap.kernel_kind("xmoe_gmm_ws_push_mosaic_gpu_kernel") == "gemm"

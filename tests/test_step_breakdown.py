@@ -262,6 +262,10 @@ def test_kernel_rules_for_our_kernels_and_scopes_under_transforms():
         cat("ragged_dot", None) == "expert_gemm" and cat("gemm_fusion", None, "ragged-dot.2") == "expert_gemm"
     )
     assert cat("loop_fusion", None, "all-reduce-start.1") == "exchange"  # a collective by its op
+    # our push kernel (kernels/push) is the exchange, of its own kind; the GEMM with the push inside is a GEMM
+    push = sb.Kernel(0, 1, "xmoe_push_mosaic_gpu_kernel", "custom-call.3", "jit_step", grad)
+    assert sb._category(push, "jit_step") == "exchange" and sb.collective_kind(push) == "push"
+    assert cat("xmoe_gmm_ws_push_mosaic_gpu_kernel") == "expert_gemm"
     assert cat("mha_forward", None) == "attention" and cat("fmha_v2_flash", None) == "attention"
     assert cat("nvjet_hsh", "jit(step)/jvp()/rematted_computation/dot_general") == "recompute"
     assert cat("loop_fusion", "jit(step)/optax/adam/mul") == "optimizer"

@@ -2,8 +2,9 @@
 
 A trace (`*.xplane.pb`, written by `train.profile_steps` or `jax.profiler.trace`) holds one plane
 per GPU (`/device:GPU:<i>`) whose `Stream #...` lines are the kernels as the GPU ran them. Per GPU:
-  1. kernels are sorted into the exchange (`nccl` in the name, or XLA's own ragged all-to-all
-     kernel that the `exact` transport runs: `ragged` in the name), GEMM (cuBLAS/cuBLASLt, CUTLASS, Triton
+  1. kernels are sorted into the exchange (`nccl` in the name, XLA's own ragged all-to-all
+     kernel that the `exact` transport runs: `ragged` in the name, or our push kernel `xmoe_push`, which
+     runs on the compute stream), GEMM (cuBLAS/cuBLASLt, CUTLASS, Triton
      GEMM fusions, our Pallas grouped GEMMs `xmoe_gmm`/`xmoe_tgmm`: `GEMM_PATTERN`) and other compute;
   2. each kind's intervals are merged into a union (overlapping kernels of one kind count once);
   3. the report is the time NCCL kernels ran, and how much of it a GEMM (or any compute kernel) ran
@@ -21,7 +22,9 @@ import os
 import re
 from collections.abc import Iterable
 
-NCCL_PATTERN = re.compile(r"nccl|ragged", re.IGNORECASE)
+# the exchange's kernels: NCCL's, XLA's ragged all-to-all, our push (kernels/push). The GEMM with the push
+# inside it (`xmoe_gmm_ws_push`) is a GEMM: its exchange cannot be told apart in a trace (benchmarks/exchange.md)
+NCCL_PATTERN = re.compile(r"nccl|ragged|^xmoe_push", re.IGNORECASE)
 GEMM_PATTERN = re.compile(r"gemm|gmm|nvjet|cutlass|xmma|cublas|matmul|_dot", re.IGNORECASE)
 
 Interval = tuple[float, float]  # (start, end) in ns

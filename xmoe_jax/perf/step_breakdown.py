@@ -77,6 +77,7 @@ OUR_PERMUTE = re.compile(r"xmoe_(scatter_rows|combine|gather_dot)")
 OPTIMIZER_SCOPE = re.compile(r"optax|optimi[sz]er|adamw?\b|scale_by_adam|apply_updates", re.IGNORECASE)
 XLA_REMAT = re.compile(r"\.remat")
 COLLECTIVE_KINDS = (
+    ("push", re.compile(r"^xmoe_push")),  # our exchange kernel (kernels/push), not a collective of XLA's
     ("all-to-all", re.compile(r"all-to-all|sendrecv|alltoall|ragged|collective-permute", re.I)),
     ("all-reduce", re.compile(r"all-?reduce", re.I)),
     ("all-gather", re.compile(r"all-?gather", re.I)),
