@@ -214,6 +214,46 @@ def test_ladder_grows_to_the_peak_and_shrinks_after_quiet_steps():
     assert ladder.quiet == 0 and ladder.factor == 1.3
 
 
+def test_a_resumed_ladder_starts_where_the_run_had_grown_to():
+    push = ParallelConfig(dispatch="pft", transport="push")
+    ladder = BufferLadder(push, active=True)
+    ladder.grow(step=8, overflow=9, peak_ratio=2.07)
+    assert ladder.state() == {"recv_buffer_factor": 2.5}
+    resumed = BufferLadder(push, active=True)  # a new process: the usual start
+    resumed.resume(ladder.state(), step=40)
+    assert resumed.factor == 2.5 and resumed.changes == 0  # nothing compiled yet: not a change
+    resumed.resume({"recv_buffer_factor": 1.1}, step=40)  # never below this run's own start
+    assert resumed.factor == 2.5
+    worst = BufferLadder(push, active=True)
+    worst.resume({"recv_buffer_factor": None}, step=3)
+    assert worst.factor is None
+    for saved in (None, {}):  # a checkpoint without it (an older xmoe_jax): the usual start
+        fresh = BufferLadder(push, active=True)
+        fresh.resume(saved, step=3)
+        assert fresh.factor == 1.2
+    off = BufferLadder(dataclasses.replace(push, recv_buffer_factor=1.5), active=False)
+    off.resume({"recv_buffer_factor": 3.0}, step=3)  # the ladder does not apply: the fixed factor
+    assert off.factor == 1.5 and off.state() is None
+
+
+@pytest.mark.slow  # two short runs of the trainer (~40 s)
+def test_a_resumed_run_does_not_grow_its_buffers_again(tmp_path):
+    from xmoe_jax.train.loop import train
+
+    common = (
+        "parallel.dispatch=pft", "parallel.transport=bucketed", "parallel.recv_buffer_factor=1.05",
+        "checkpoint.enabled=true", "checkpoint.every=3", "train.log_every=1",
+    )  # fmt: skip
+    first = train(_cfg(tmp_path, *common, "train.steps=3"))
+    grown = first.records[-1]
+    assert grown["buffer_changes"] >= 1 and grown["buffer_factor"] > 1.05
+    resumed = train(_cfg(tmp_path, *common, "train.steps=4"), resume=True)
+    (record,) = [r for r in resumed.records if r["step"] == 4]
+    assert record["buffer_factor"] >= grown["buffer_factor"]
+    # it started on the grown rung; no grow back up to it (a step 4 past it could still grow once)
+    assert record["buffer_changes"] == 0 or record["buffer_factor"] > grown["buffer_factor"]
+
+
 def test_ladder_a_transient_spike_costs_tens_of_steps():
     """The full-depth failure of issue 29: buffers climbed to 3x on an early spike and stayed there
     while 1.13x was needed. With the default hysteresis they come back within buffer_shrink_after steps."""

@@ -326,3 +326,24 @@ def test_float_dtype_change_is_cast_on_restore(tmp_path):
         restored = ck.restore(_abstract(state, dev), step=2)  # bfloat16 on disk, float32 target
         assert restored["opt"]["mu"][0].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(restored["opt"]["mu"][0]), [-1.5, -1.5])
+
+
+def test_the_trainers_run_state_travels_in_the_manifest(tmp_path):
+    """The buffer ladder's rung rides in each checkpoint's manifest (covered by its checksum) and comes
+    back with a verified restore; a checkpoint without it restores as before."""
+    state = _state()
+    dev = SingleDeviceSharding(jax.devices()[0])
+    ck = Checkpointer(tmp_path, _cfg())
+    ck.save(1, state)  # no run state (a run without the ladder, or an older xmoe_jax)
+    rung = {"recv_buffer_factor": 2.5}
+    ck.run_state = lambda: dict(rung)
+    ck.save(2, state)
+    rung["recv_buffer_factor"] = None  # the worst case, later
+    ck.save(3, state)
+    for step, want in ((2, {"recv_buffer_factor": 2.5}), (1, None), (3, {"recv_buffer_factor": None})):
+        ck.restore(_abstract(state, dev), step=step)
+        assert ck.restored_run_state == want, step
+    manifest = json.loads((tmp_path / "2" / "manifest" / "metadata").read_text())
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    assert body["run_state"] == {"recv_buffer_factor": 2.5} and integrity.digest(body) == manifest["sha256"]
+    ck.close()

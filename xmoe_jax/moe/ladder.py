@@ -100,6 +100,27 @@ class BufferLadder:
         """The placement the current rung compiles with."""
         return dataclasses.replace(self.base, recv_buffer_factor=self.factor) if self.active else self.base
 
+    def state(self) -> dict | None:
+        """What a checkpoint keeps of the ladder (train/checkpoint.py): the rung in effect; None where the
+        ladder does not apply."""
+        return {"recv_buffer_factor": self.factor} if self.active else None
+
+    def resume(self, saved: dict | None, step: int) -> None:
+        """A resumed run starts on the rung its checkpoint's run had reached (`saved`: `state()` at that
+        step), never below this run's own start: it does not grow and recompile its way there again (three
+        recompiles of the 28-layer Small on 4x H200, benchmarks/exchange.md). Not a change: nothing was
+        compiled yet. A checkpoint without it (an older xmoe_jax) starts on the usual rung."""
+        if not self.active or not saved or "recv_buffer_factor" not in saved:
+            return
+        index = max(self.index, _rung_index(saved["recv_buffer_factor"]))
+        if index != self.index:
+            start, self.index = self.factor, index
+            log.info(
+                "resumed at step %d on the receive buffers' factor the run had reached, %s (not %s): no growing "
+                "and recompiling to get back there",
+                step, _name(self.factor), _name(start),
+            )  # fmt: skip
+
     def _move(self, index: int) -> float | None:
         old = self.factor
         self.index = index

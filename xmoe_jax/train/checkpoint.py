@@ -12,7 +12,9 @@ Each step directory holds four items:
 * ``config`` -- the run's `Config` as JSON (`to_dict`), used by `compat.check_compatible`: a
   resume is refused only when the model config makes different parameters.
 * ``manifest`` -- fingerprints of the state's values, checksums of the config and of every
-  process's data position (`xmoe_jax.train.integrity`); committed atomically with the rest.
+  process's data position (`xmoe_jax.train.integrity`); committed atomically with the rest. It
+  also keeps the trainer's own state beside the arrays (`run_state`: the receive buffers' rung,
+  moe/ladder.py), so a resumed run starts where its buffers had grown to.
 
 Which step a run resumes from (the newest that reads back and matches its manifest) is
 `resume.py`'s; this module saves, lists and restores steps. A restore may name part of the
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,10 @@ class Checkpointer:
         )
         self._write_failed = False
         self.data_fingerprint: dict | None = None  # saved in each manifest (data/fingerprint.py)
+        # the trainer's state beside the arrays, saved in each manifest (the buffer ladder's rung:
+        # BufferLadder.state), and what the last verified restore held of it
+        self.run_state: Callable[[], dict | None] | None = None
+        self.restored_run_state: dict | None = None
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -234,7 +241,12 @@ class Checkpointer:
         if data_iter is not None:  # every process's position, in process order
             data_digests = distributed.all_gather_text("ckpt-data", integrity.digest(data_iter.get_state()))
         manifest = integrity.build_manifest(
-            step, state, to_dict(config) if config else None, data_digests, self.data_fingerprint
+            step,
+            state,
+            to_dict(config) if config else None,
+            data_digests,
+            self.data_fingerprint,
+            self.run_state() if self.run_state is not None else None,
         )
         items["manifest"] = ocp.args.JsonSave(manifest)
         try:  # a folder that cannot take a file fails here in milliseconds, not in orbax's thread
@@ -419,6 +431,7 @@ class Checkpointer:
 
     def _verify(self, step: int, restored: Any, data_iter: Any, partial: bool = False) -> None:
         """Checks what was restored against the step's manifest (`integrity`)."""
+        self.restored_run_state = None
         if "manifest" not in restored:
             log.warning(
                 "checkpoint step %d has no integrity manifest (an older xmoe_jax wrote it): unverified", step
@@ -433,6 +446,7 @@ class Checkpointer:
                 integrity.check_data(body, data_iter.get_state(), jax.process_index())
         except IntegrityError as e:
             raise DamagedCheckpointError(step, self.directory, f"is damaged: {e}") from e
+        self.restored_run_state = body.get("run_state")
 
     def reload_after_main(self) -> None:
         """Every process re-lists the steps after process 0 has moved folders aside (a barrier)."""

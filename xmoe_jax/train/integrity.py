@@ -126,7 +126,12 @@ def digest(obj: Any) -> str:
 
 
 def build_manifest(
-    step: int, state: Any, config: dict | None, data_digests: list[str] | None, data_print: dict | None = None
+    step: int,
+    state: Any,
+    config: dict | None,
+    data_digests: list[str] | None,
+    data_print: dict | None = None,
+    run_state: dict | None = None,
 ) -> dict:
     body = {
         "version": MANIFEST_VERSION,
@@ -137,6 +142,8 @@ def build_manifest(
     }
     if data_print is not None:  # what the data position indexes into (data/fingerprint.py)
         body["data_fingerprint"] = data_print
+    if run_state is not None:  # the trainer's own state beside the arrays (the buffer ladder's rung)
+        body["run_state"] = run_state
     return {**body, "sha256": digest(body)}
 
 

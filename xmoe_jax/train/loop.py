@@ -200,6 +200,10 @@ def _run(
     if is_main:  # reliability: records of steps a kill lost (they run again) move aside
         run.trim_metrics(start or 0)
     step_fn = AdaptiveStep(placed, optimizer, mesh, shardings)
+    if ckpt is not None:  # the buffers' rung travels with each checkpoint, and a resume starts on it
+        if start is not None:
+            step_fn.ladder.resume(ckpt.restored_run_state, start)
+        ckpt.run_state = step_fn.ladder.state
     data_sh = tstep.batch_sharding(mesh, cfg)
 
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
