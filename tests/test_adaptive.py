@@ -216,19 +216,32 @@ def test_ladder_grows_to_the_peak_and_shrinks_after_quiet_steps():
 
 def test_a_resumed_ladder_starts_where_the_run_had_grown_to():
     push = ParallelConfig(dispatch="pft", transport="push")
-    ladder = BufferLadder(push, active=True)
+    ladder = BufferLadder(push, active=True, peers=4)
     ladder.grow(step=8, overflow=9, peak_ratio=2.07)
-    assert ladder.state() == {"recv_buffer_factor": 2.5}
-    resumed = BufferLadder(push, active=True)  # a new process: the usual start
+    assert ladder.state()["recv_buffer_factor"] == 2.5
+    resumed = BufferLadder(push, active=True, peers=4)  # a new process: the usual start
     resumed.resume(ladder.state(), step=40)
     assert resumed.factor == 2.5 and resumed.changes == 0  # nothing compiled yet: not a change
-    resumed.resume({"recv_buffer_factor": 1.1}, step=40)  # never below this run's own start
-    assert resumed.factor == 2.5
-    worst = BufferLadder(push, active=True)
-    worst.resume({"recv_buffer_factor": None}, step=3)
-    assert worst.factor is None
+    # a ladder that shrank resumes where it was, below the start, not at the start
+    bucketed = ParallelConfig(dispatch="pft", transport="bucketed")
+    shrunk = BufferLadder(bucketed, active=True, peers=4)
+    shrunk.index = RUNGS.index(1.05)
+    again = BufferLadder(bucketed, active=True, peers=4)
+    again.resume(shrunk.state(), step=60)
+    assert again.factor == 1.05
+    # other settings start afresh: peers, transport, a start the user changed
+    worst = BufferLadder(push, active=True, peers=4)
+    worst.index = len(RUNGS) - 1
+    for other in (
+        BufferLadder(push, active=True, peers=8),
+        BufferLadder(dataclasses.replace(push, transport="bucketed"), active=True, peers=4),
+        BufferLadder(dataclasses.replace(push, recv_buffer_factor=1.5), active=True, peers=4),
+    ):
+        start = other.factor
+        other.resume(worst.state(), step=3)
+        assert other.factor == start
     for saved in (None, {}):  # a checkpoint without it (an older xmoe_jax): the usual start
-        fresh = BufferLadder(push, active=True)
+        fresh = BufferLadder(push, active=True, peers=4)
         fresh.resume(saved, step=3)
         assert fresh.factor == 1.2
     off = BufferLadder(dataclasses.replace(push, recv_buffer_factor=1.5), active=False)

@@ -77,8 +77,8 @@ def _name(factor: float | None) -> str:
 class BufferLadder:
     """Which rung the next step runs on; `grow` after an overflow, `observe` after a step that fit."""
 
-    def __init__(self, parallel: ParallelConfig, active: bool):
-        self.active = active
+    def __init__(self, parallel: ParallelConfig, active: bool, peers: int | None = None):
+        self.active, self.peers = active, peers  # peers: the devices of the exchange (what a resume checks)
         start = parallel.recv_buffer_factor if parallel.recv_buffer_factor is not None else DEFAULT_START
         self.index = _rung_index(start) if active else -1
         self.base = parallel
@@ -100,24 +100,37 @@ class BufferLadder:
         """The placement the current rung compiles with."""
         return dataclasses.replace(self.base, recv_buffer_factor=self.factor) if self.active else self.base
 
+    def _setting(self) -> dict:
+        """What a rung is a rung of: a resume on other settings starts afresh."""
+        base = self.base
+        return {"transport": base.transport, "dispatch": base.dispatch, "peers": self.peers,
+                "start": base.recv_buffer_factor}  # fmt: skip
+
     def state(self) -> dict | None:
-        """What a checkpoint keeps of the ladder (train/checkpoint.py): the rung in effect; None where the
-        ladder does not apply."""
-        return {"recv_buffer_factor": self.factor} if self.active else None
+        """What a checkpoint keeps of the ladder (train/checkpoint.py): the rung in effect and the settings it
+        is a rung of; None where the ladder does not apply."""
+        return {"recv_buffer_factor": self.factor, "setting": self._setting()} if self.active else None
 
     def resume(self, saved: dict | None, step: int) -> None:
         """A resumed run starts on the rung its checkpoint's run had reached (`saved`: `state()` at that
-        step), never below this run's own start: it does not grow and recompile its way there again (three
-        recompiles of the 28-layer Small on 4x H200, benchmarks/exchange.md). Not a change: nothing was
-        compiled yet. A checkpoint without it (an older xmoe_jax) starts on the usual rung."""
+        step): it does not grow (or shrink) and recompile its way there again (three grows of the 28-layer
+        Small on 4x H200, benchmarks/exchange.md). Only on the same settings: another transport, dispatch,
+        number of exchange devices or a start the user changed begins on its own start, as does a checkpoint
+        without it (an older xmoe_jax). Not a change: nothing was compiled yet."""
         if not self.active or not saved or "recv_buffer_factor" not in saved:
             return
-        index = max(self.index, _rung_index(saved["recv_buffer_factor"]))
+        if saved.get("setting") != self._setting():
+            log.info(
+                "step %d: the checkpoint's receive buffers were sized for other settings (%s, not %s): "
+                "starting at factor %s", step, saved.get("setting"), self._setting(), _name(self.factor),
+            )  # fmt: skip
+            return
+        index = _rung_index(saved["recv_buffer_factor"])
         if index != self.index:
             start, self.index = self.factor, index
             log.info(
-                "resumed at step %d on the receive buffers' factor the run had reached, %s (not %s): no growing "
-                "and recompiling to get back there",
+                "resumed at step %d on the receive buffers' factor the run had reached, %s (not %s): no "
+                "recompiling to get back there",
                 step, _name(self.factor), _name(start),
             )  # fmt: skip
 

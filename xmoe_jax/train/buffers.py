@@ -39,7 +39,7 @@ class AdaptiveStep:
     def __init__(self, cfg: Config, optimizer, mesh, shardings):
         self.cfg, self.optimizer, self.mesh, self.shardings = cfg, optimizer, mesh, shardings
         exchange_devices = sharding.axis_size(mesh, sharding.EXPERT_AXES)
-        self.ladder = BufferLadder(cfg.parallel, applies(cfg, exchange_devices))
+        self.ladder = BufferLadder(cfg.parallel, applies(cfg, exchange_devices), peers=exchange_devices)
         self._compiled: dict = {}
         self._ran: set = set()  # rungs whose compiled step has run once (headroom for its first run)
 

@@ -12,6 +12,7 @@ inside the same atomic commit:
     config   sha256 of the saved config
     data     sha256 of each process's data position
     data_fingerprint  what that position indexes into (`xmoe_jax/data/fingerprint.py`)
+    run_state  the trainer's own state beside the arrays: the receive buffers' rung (`moe/ladder.py`)
     sha256   of the manifest's own content
 
 Fingerprint of a leaf: two wrapping uint32 sums over its elements' bits (as unsigned ints),
