@@ -122,3 +122,19 @@ def test_exact_transport_asks_for_xla_s_one_shot_kernel(monkeypatch, caplog):
         assert xla_flags.transport_for("exact", "gpu", flags=decomposer) == "exact"
         assert xla_flags.transport_for("exact", "gpu", flags="") == "exact"
     assert len(caplog.records) == 1 and "parallel.transport=exact" in caplog.records[0].message
+
+
+def test_a_preset_the_installed_xla_does_not_know_is_refused_naming_the_fix(monkeypatch):
+    """jaxlib 0.10's XLA aborts on the send/recv fallback flag ("Unknown flag in XLA_FLAGS", CI's dry
+    run of gpu_bench_pft.sh ep2): the preset is refused first, naming the flag and the jax it needs."""
+    import jaxlib
+
+    sendrecv = xla_flags.RAGGED_A2A_PRESETS["sendrecv"]
+    assert xla_flags.unknown_flags(sendrecv, "0.10.2") == ["xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"]
+    assert xla_flags.unknown_flags(sendrecv, "0.11.2") == xla_flags.unknown_flags(sendrecv, "0.12.0") == []
+    monkeypatch.setattr(jaxlib, "__version__", "0.10.2")
+    with pytest.raises(ValueError, match=r"send_recv_fallback.*jaxlib 0\.10\.2.*jax>=0\.11"):
+        xla_flags.wanted_preset("sendrecv")
+    assert xla_flags.wanted_preset("decomposer") == "decomposer"
+    monkeypatch.setattr(jaxlib, "__version__", "0.11.2")
+    assert xla_flags.wanted_preset("sendrecv") == "sendrecv"

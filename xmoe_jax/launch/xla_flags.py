@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 log = logging.getLogger("xmoe_jax")
 
@@ -50,6 +51,11 @@ RAGGED_A2A_PRESETS: dict[str, dict[str, str]] = {
     },
 }
 DEFAULT_RAGGED_A2A_PRESET = "decomposer"
+# preset flags newer than the oldest jaxlib we run on: XLA aborts at start-up on a flag it does not
+# know ("Unknown flag in XLA_FLAGS"), so a preset needing one is refused first, naming the fix
+FLAG_SINCE: dict[str, tuple[int, int]] = {
+    "xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback": (0, 11),  # absent from jaxlib 0.10.2
+}
 SCHEDULER_PRESETS: dict[str, dict[str, str]] = {
     "default": {},
     "latency_hiding": {"xla_gpu_enable_latency_hiding_scheduler": "true"},
@@ -99,7 +105,28 @@ def wanted_preset(preset: str | None = None, transport: str | None = None) -> st
     preset = preset or os.environ.get("XMOE_RAGGED_A2A", fallback)
     if preset not in RAGGED_A2A_PRESETS:
         raise ValueError(f"XMOE_RAGGED_A2A={preset!r} is not one of {sorted(RAGGED_A2A_PRESETS)}")
+    too_new = unknown_flags(RAGGED_A2A_PRESETS[preset])
+    if too_new:
+        import jaxlib
+
+        raise ValueError(
+            f"XMOE_RAGGED_A2A={preset} needs XLA flag(s) {', '.join('--' + f for f in too_new)}, which the XLA "
+            f"in jaxlib {jaxlib.__version__} does not know (it would abort at start-up); install "
+            f"jax>={'.'.join(map(str, max(FLAG_SINCE[f] for f in too_new)))} or choose another preset "
+            f"({', '.join(p for p in RAGGED_A2A_PRESETS if p != preset)})"
+        )
     return preset
+
+
+def unknown_flags(flags: dict[str, str], version: str | None = None) -> list[str]:
+    """The names in `flags` that the XLA in jaxlib `version` (default: the installed one) does not
+    know, from `FLAG_SINCE`."""
+    if version is None:
+        import jaxlib
+
+        version = jaxlib.__version__
+    have = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    return [name for name in flags if name in FLAG_SINCE and have < FLAG_SINCE[name]]
 
 
 def _transport_facts():
