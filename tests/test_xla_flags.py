@@ -130,7 +130,9 @@ def test_a_preset_the_installed_xla_does_not_know_is_refused_naming_the_fix(monk
     import jaxlib
 
     sendrecv = xla_flags.RAGGED_A2A_PRESETS["sendrecv"]
-    assert xla_flags.unknown_flags(sendrecv, "0.10.2") == ["xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"]
+    assert xla_flags.unknown_flags(sendrecv, "0.10.2") == [
+        "xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
+    ]
     assert xla_flags.unknown_flags(sendrecv, "0.11.2") == xla_flags.unknown_flags(sendrecv, "0.12.0") == []
     monkeypatch.setattr(jaxlib, "__version__", "0.10.2")
     with pytest.raises(ValueError, match=r"send_recv_fallback.*jaxlib 0\.10\.2.*jax>=0\.11"):
