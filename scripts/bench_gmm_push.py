@@ -1,4 +1,4 @@
-"""The down-projection with its return exchange inside (kernels/push: gmm_push) against the two in a row.
+"""The expert GEMMs with their exchanges inside (kernels/push: gmm_push, push_gmm) against the two in a row.
 
     python scripts/bench_gmm_push.py --out push.json        # 2+ Hopper GPUs of one host, one process
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/bench_gmm_push.py --tiny
@@ -14,9 +14,13 @@ its reverse is the return. The receive buffer holds the busiest GPU's rows (no o
   fused   gmm_push: the GEMM's epilogue stores every row on the GPU it came from
 Routings: `uniform`, and `skewed` (experts drawn with Zipf weights, s = 1: hot receivers). Passes: `down`, the
 down-projection ([M, F] x [F, D]: the forward's return), and `dgrad`, the up-projection's data gradient ([M, F] x
-[D, F]^T: the backward's d x, the kernel reading its weights transposed).
-Correctness first: fused equals serial bit for bit on the rows sent (same tiles, same sums), and both
-are compared with a float32 XLA reference (relative error). Each time: (25 calls in one compiled loop
+[D, F]^T: the backward's d x, the kernel reading its weights transposed), each GEMM then its exchange.
+The arrive passes run the exchange first, then the GEMM on what arrived (push_gmm, XMOE_FUSED_ARRIVE=on):
+`up`, the dispatch and the first up-projection ([A, D] pushed, [M, D] x [D, F]), and `ddown`, the backward's
+cotangent and d act ([M, D] x [F, D]^T); their `return` row is the exchange before the GEMM (the dispatch).
+Correctness first: fused equals serial bit for bit on the rows sent (same tiles, same sums; for the
+arrive passes, the GEMM's rows and the received rows), and both are compared with a float32 XLA
+reference (relative error). Each time: (25 calls in one compiled loop
 - 5) / 20, best of 3; every call reads the previous call's output, so none is hoisted.
 """
 
@@ -32,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xmoe_jax.kernels import gmm
 from xmoe_jax.kernels.gmm.xla import gmm_xla
-from xmoe_jax.kernels.push import gmm_push, push_rows
+from xmoe_jax.kernels.push import gmm_push, push_gmm, push_rows
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.capacity import expert_positions
 from xmoe_jax.moe.transports import get
@@ -58,9 +62,16 @@ def recv_rows(topk: np.ndarray, peers: int, experts: int) -> int:
     return int(-(-per_gpu.max() // 128) * 128)
 
 
-def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool):
+ARRIVE_PASSES = ("up", "ddown")  # the exchange, then the GEMM on what arrived
+
+
+def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool, arrive: bool = False):
     """jit(shard_map): (h, w, topk, pos, loops, mode) -> (the output, the sent rows' mask); `transpose`:
-    w is [E, D, F] read transposed (the up-projection's data gradient)."""
+    w is [E, D, F] read transposed (the up-projection's data gradient). `arrive`: h is the send buffer,
+    the exchange runs first (the plan, not its reverse) and the output is (received rows, GEMM), masked
+    on the grouped rows."""
+    if arrive:
+        return _build_arrive(peers, shape, num_recv, impl, transpose)
     mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = PartitionSpec(AXIS)
     push_t = get("push")
@@ -122,12 +133,81 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: b
     return run, mesh
 
 
+def _build_arrive(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool):
+    mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = PartitionSpec(AXIS)
+    push_t = get("push")
+
+    def body(x_AD, w_LKN, topk_TK, pos_TK, loops, mode):
+        keep_TK = jnp.ones(topk_TK.shape, bool)
+        lay = layouts.compact(topk_TK, keep_TK, pos_TK, shape["experts"], num_recv, AXIS, peers, push_t)
+        gs_L = lay.cc_PL.sum(0).astype(jnp.int32)
+        plan = lay.plan
+        meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(
+            jnp.int32
+        )
+        grouped_M = jnp.arange(num_recv) < gs_L.sum()
+        kw = dict(out_rows=num_recv, axis_name=AXIS, num_peers=peers, max_piece=lay.max_piece)
+        x_MD = (
+            jnp.zeros((num_recv, x_AD.shape[1]), x_AD.dtype)
+            .at[: min(num_recv, x_AD.shape[0])]
+            .set(x_AD[: min(num_recv, x_AD.shape[0])])
+        )  # rows for the GEMM alone (their values do not matter to its time)
+
+        def op(x):
+            if mode == "gemm":
+                return x_MD, gmm(x_MD.at[0, 0].set(x[0, 0]), w_LKN, gs_L, transpose_rhs=transpose)
+            if mode == "return":
+                r = push_rows(x, meta_3X, **kw, implementation=impl)
+                return r, r
+            if mode == "serial":
+                r = push_rows(x, meta_3X, **kw, implementation=impl)
+                return r, gmm(r, w_LKN, gs_L, transpose_rhs=transpose)
+            if mode == "fused":
+                return push_gmm(x, w_LKN, gs_L, meta_3X, **kw, transpose_rhs=transpose, implementation=impl)
+            if mode == "reference":  # the push reference, float32 GEMM
+                f32 = jnp.float32
+                r = push_rows(x, meta_3X, **kw, implementation="xla")
+                return r, gmm_xla(
+                    r.astype(f32), w_LKN.astype(f32), gs_L, out_dtype=f32, transpose_rhs=transpose
+                )
+            raise ValueError(mode)
+
+        def step(_, carry):
+            x, out = carry
+            x = x.at[0, 0].set(out[1][0, 0].astype(x.dtype))  # each call reads the last one's output
+            return x, op(x)
+
+        out0 = op(x_AD)
+        _, out = jax.lax.fori_loop(1, loops, step, (x_AD, out0)) if mode != "reference" else (x_AD, out0)
+        r, y = out
+        return jnp.concatenate([r.astype(jnp.float32), y.astype(jnp.float32)], axis=1), grouped_M
+
+    def run(mode):
+        return jax.jit(
+            jax.shard_map(
+                lambda h, w, t, p, n: body(h, w, t, p, n, mode),
+                mesh=mesh,
+                in_specs=(spec, spec, spec, spec, PartitionSpec()),
+                out_specs=(spec, spec),
+                check_vma=False,
+            )
+        )
+
+    return run, mesh
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU dry run)")
     ap.add_argument("--cases", default="uniform,skewed")
-    ap.add_argument("--passes", default="down,dgrad", help="down: [M, F] x [F, D]; dgrad: [M, F] x [D, F]^T")
+    ap.add_argument(
+        "--passes",
+        default="down,dgrad",
+        help="down: [M, F] x [F, D]; dgrad: [M, F] x [D, F]^T; up: push, then [M, D] x [D, F]; "
+        "ddown: push, then [M, D] x [F, D]^T",
+    )
     args = ap.parse_args()
     shape = TINY if args.tiny else SMALL
     peers = jax.device_count()
@@ -136,18 +216,22 @@ def main() -> int:
     rec = Recorder(args.out, {**environment(), "shape": shape, "peers": peers})
     rows = []
     for pass_, case in [(p, c) for p in args.passes.split(",") for c in args.cases.split(",")]:
-        transpose = pass_ == "dgrad"
+        transpose = pass_ in ("dgrad", "ddown")
+        arrive = pass_ in ARRIVE_PASSES
         topk = routing(case, peers, shape["tokens"], shape["top_k"], shape["experts"])
         num_recv = recv_rows(topk, peers, shape["experts"])
-        run, mesh = build(peers, shape, num_recv, impl, transpose)
+        run, mesh = build(peers, shape, num_recv, impl, transpose, arrive)
         on = NamedSharding(mesh, PartitionSpec(AXIS))
         keys = jax.random.split(jax.random.key(1), 2)
-        h = jax.device_put(jax.random.normal(keys[0], (peers * num_recv, shape["hidden"]), jnp.bfloat16), on)
-        w_shape = (
-            (shape["experts"], shape["dim"], shape["hidden"])
-            if transpose
-            else (shape["experts"], shape["hidden"], shape["dim"])
+        # the GEMM's lhs rows: [M, F] from the experts (return passes), [A, D] sent (arrive passes)
+        h_shape = (
+            (peers * shape["tokens"] * shape["top_k"], shape["dim"])
+            if arrive
+            else (peers * num_recv, shape["hidden"])
         )
+        h = jax.device_put(jax.random.normal(keys[0], h_shape, jnp.bfloat16), on)
+        k_dim, n_dim = (shape["dim"], shape["hidden"]) if arrive else (shape["hidden"], shape["dim"])
+        w_shape = (shape["experts"], n_dim, k_dim) if transpose else (shape["experts"], k_dim, n_dim)
         w = jax.random.normal(keys[1], w_shape, jnp.float32) * 0.03
         w = jax.device_put(w.astype(jnp.bfloat16), on)  # [P * L, ...]: GPU p holds experts p * L ...
         pos = np.concatenate(
@@ -162,11 +246,16 @@ def main() -> int:
         sent = np.asarray(outs["fused"][1])
         got = {m: np.asarray(o[0].astype(jnp.float32))[sent] for m, o in outs.items()}
         ref = got["reference"]
-        err = {m: float(np.linalg.norm(got[m] - ref) / np.linalg.norm(ref)) for m in ("serial", "fused")}
+        cols = slice(k_dim, None) if arrive else slice(None)  # the GEMM's columns (arrive: after the rows)
+        err = {
+            m: float(np.linalg.norm(got[m][:, cols] - ref[:, cols]) / np.linalg.norm(ref[:, cols]))
+            for m in ("serial", "fused")
+        }
         exact = bool(np.array_equal(got["fused"], got["serial"]))
         busiest = int(np.bincount(topk.reshape(-1) // (shape["experts"] // peers), minlength=peers).max())
         flops = 2 * busiest * shape["hidden"] * shape["dim"]  # the busiest GPU's grouped rows
-        sent_bytes = int(sent.reshape(peers, -1).sum(1).max()) * shape["dim"] * 2  # the busiest sender's rows
+        # the busiest sender's rows (arrive passes: a receiver's, whose rows all come over the exchange)
+        sent_bytes = int(sent.reshape(peers, -1).sum(1).max()) * shape["dim"] * 2
         rec.add(
             case=case,
             pass_=pass_,
@@ -178,8 +267,8 @@ def main() -> int:
         )
         times = {}
         if on_gpu:
-            a = jax.random.normal(keys[0], (busiest, shape["hidden"]), jnp.bfloat16)
-            b = jax.random.normal(keys[1], (shape["hidden"], shape["dim"]), jnp.bfloat16)
+            a = jax.random.normal(keys[0], (busiest, k_dim), jnp.bfloat16)
+            b = jax.random.normal(keys[1], (k_dim, n_dim), jnp.bfloat16)
             dense = jax.jit(
                 lambda a, b, n: jax.lax.fori_loop(
                     0, n, lambda _, x: (x[0].at[0, 0].set(x[1][0, 0]), x[0] @ b), (a, a @ b)

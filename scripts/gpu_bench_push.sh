@@ -28,6 +28,10 @@
 # Part `depth_sized` (DEPTH_STEPS=200 in about 9 minutes: one call): push at depth with its one receive buffer sized
 # once at the factor a learned router reaches within 15 steps (parallel.recv_buffer_factor=$SIZED_FACTOR, 2.5) instead
 # of grown to it from 1.2 (three recompiles, each rerunning a step); for the whole run against its last window.
+# Part `depth_arrive` (about 5 minutes): push at depth with the exchanges that bring rows (the dispatch, the
+# backward's cotangent) inside the GEMM after them too (XMOE_FUSED_ARRIVE=on, kernels/push: push_gmm); its losses
+# must equal depth_push's. Part `arrive` (about 4 minutes): scripts/bench_gmm_push.py --passes up,ddown, that
+# kernel against the push kernel and then the GEMM (checked bit for bit first; a hang stops at ARRIVE_LIMIT, 240 s).
 # Part `gmm_push` (about 4 minutes): scripts/bench_gmm_push.py, the down-projection and the up-projection's data
 # gradient with the exchange back inside, against the GEMM and then the push kernel (checked bit for bit against each
 # other first); GMM_PUSH_ARGS=--tiny on a CPU.
@@ -68,6 +72,9 @@ for part in ${PARTS:-exchange scaling}; do
       done ;;
     gmm_push)  # the down-projection with the return exchange inside, against the two kernels in a row
       step gmm_push "${GMM_PUSH_LIMIT:-400}" python3 scripts/bench_gmm_push.py --out "$OUT/gmm_push.json" ${GMM_PUSH_ARGS:-} ;;
+    arrive)  # the exchange before the GEMM inside it (push_gmm), against the push kernel and then the GEMM
+      step arrive "${ARRIVE_LIMIT:-240}" python3 scripts/bench_gmm_push.py --passes up,ddown --out "$OUT/arrive.json" \
+        ${GMM_PUSH_ARGS:-} ;;
     overlap)
       step overlap_default 150 python3 scripts/bench_push_overlap.py --rows "$ROWS" --gemm-rows $((4 * ROWS)) \
         --out "$OUT/overlap_default.json"
@@ -99,13 +106,14 @@ for part in ${PARTS:-exchange scaling}; do
         depth_stacks) name=push_$part transport=push && export XMOE_SCAN_STACKS=empty ;;
         depth_source) name=push_$part transport=push && export XMOE_ARRIVAL=source ;;
         depth_unfused) name=push_$part transport=push && export XMOE_FUSED_RETURN=off ;;
+        depth_arrive) name=push_$part transport=push && export XMOE_FUSED_ARRIVE=on ;;
         depth_sized) name=push_$part transport=push lever="--set parallel.recv_buffer_factor=${SIZED_FACTOR:-2.5}" ;;
       esac
       # shellcheck disable=SC2086  # lever is a list of --set overrides
       ep_step "$name" "${DEPTH_LIMIT:-560}" "$N" "${DEPTH_STEPS:-60}" configs/small.yaml --log-every 10 \
         --set train.micro_batch_size=$((8 * N)) --set model.remat=save_exchange --set train.tensorboard=false \
         ${DEPTH_LAYERS:+--set model.num_layers=$DEPTH_LAYERS} --set parallel.transport="$transport" $lever
-      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS XMOE_ARRIVAL XMOE_FUSED_RETURN ;;
+      unset XMOE_TGMM_GATHER XMOE_SCAN_STACKS XMOE_ARRIVAL XMOE_FUSED_RETURN XMOE_FUSED_ARRIVE ;;
   esac
 done
 summary

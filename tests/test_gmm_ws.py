@@ -98,6 +98,48 @@ def test_the_push_epilogue_lowers_to_mosaic_gpu_for_cuda():
         )
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["up", "ddown"])
+def test_the_arrive_prologue_lowers_to_mosaic_gpu_for_cuda(transpose):
+    """push_gmm's kernel (copying CTAs pushing group-major to 4 peers and signalling per group, the GEMM
+    waiting per group on what lands) through jax.export for CUDA on this CPU, for the dispatch's
+    up-projection and the cotangent's d act (rhs transposed): (received [M, D], GEMM [M, F]) per device."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    peers, local, send, recv, dim, hidden = 4, 4, 768, 1024, 2048, 1408
+    mesh = jax.make_mesh((peers,), ("expert",), axis_types=(AxisType.Explicit,))
+    spec = PartitionSpec("expert")
+    arrive = mgpu_ws.ArriveSpec("expert", peers, local, recv)
+
+    def body(x, w, gs, plan):
+        r, y = mgpu_ws.arrive_gmm_ws(
+            x, plan[0], w, gs[0], arrive=arrive, config=defaults.ws_config(hidden), transpose_rhs=transpose
+        )
+        assert r.shape == (recv, dim) and y.shape == (recv, hidden)
+        return r, y
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec), check_vma=False)
+    )
+    on = NamedSharding(mesh, spec)
+    w_shape = (peers * local, hidden, dim) if transpose else (peers * local, dim, hidden)
+    args = (
+        jax.ShapeDtypeStruct((peers * send, dim), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct(w_shape, jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((peers, local), jnp.int32, sharding=on),
+        jax.ShapeDtypeStruct((peers, 3, peers * local), jnp.int32, sharding=on),
+    )
+    text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text and "xmoe_arrive_gmm_ws" in text
+    with pytest.raises(ValueError, match="push_ctas"):
+        mgpu_ws.arrive_gmm_ws(
+            jnp.zeros((256, 64), jnp.bfloat16),
+            jnp.zeros((3, 8), jnp.int32),
+            jnp.zeros((2, 64, 256), jnp.bfloat16),
+            jnp.asarray([9, 9]),
+            arrive=mgpu_ws.ArriveSpec("expert", 4, 2, 256, push_ctas=0),
+        )
+
+
 def test_shapes_it_cannot_take_are_refused_before_tracing():
     cfg = defaults.ws_config(1408)
     bf16 = jnp.bfloat16
@@ -137,7 +179,16 @@ def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "ws.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "scripts/bench_gmm_ws.py", "--tiny", "--iters", "1", "--no-torch", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "scripts/bench_gmm_ws.py",
+        "--tiny",
+        "--iters",
+        "1",
+        "--no-torch",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| case / pass | variant |" in proc.stdout

@@ -80,9 +80,9 @@ DRY_RUNS = [
     ("gpu_bench_push.sh", ["overlap depth_mem"], {"PARTS": "overlap depth_mem", "ROWS": "64"}, {}),
     (
         "gpu_bench_push.sh",
-        ["depth_shrink depth_tgmm depth_stacks depth_source depth_unfused depth_sized gmm_push"],
+        ["depth_shrink depth_tgmm depth_stacks depth_source depth_unfused depth_sized depth_arrive gmm_push arrive"],
         {
-            "PARTS": "depth_shrink depth_tgmm depth_stacks depth_source depth_unfused depth_sized gmm_push",
+            "PARTS": "depth_shrink depth_tgmm depth_stacks depth_source depth_unfused depth_sized depth_arrive gmm_push arrive",
             "DEPTH_STEPS": "2", "DEPTH_LAYERS": "12", "GMM_PUSH_ARGS": "--tiny",
         },
         {},

@@ -413,29 +413,36 @@ def test_experts_read_and_write_received_rows_in_place(activation: str, impl: st
 # ----------------------------------------------------------------------------- push: the return inside the down-projection
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "after"])
-def test_push_returns_rows_from_inside_the_down_projection(fused: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("fused", ["fused", "after", "arrive"])
+def test_push_returns_rows_from_inside_the_down_projection(fused: str, monkeypatch) -> None:
     """push (expert-major arrival) runs the exchanges back to the sources inside the GEMMs before them
     (experts.pushed_experts: the forward's return inside the down-projection, the backward's d x inside
     the up-projections' data gradient; on CPU their reference: the GEMM, then the push reference), and
-    XMOE_FUSED_RETURN=off runs them after the GEMMs: both equal the dense oracle, values and gradients,
-    with rows that overflow."""
+    XMOE_FUSED_RETURN=off runs them after the GEMMs; XMOE_FUSED_ARRIVE=on also runs the exchanges that
+    bring rows (the dispatch, the backward's cotangent) with the GEMM after them (kernels/push: push_gmm,
+    twice per step). Each equals the dense oracle, values and gradients, with rows that overflow."""
     import sys
 
+    import xmoe_jax.kernels.push as push_kernels
     import xmoe_jax.moe.pft as pft_module
 
     monkeypatch.setattr(sys.modules[__name__], "_pft_fn", _pft_fn.__wrapped__)  # traced here, with the spy
-    calls = []
-    real = pft_module.pushed_experts
+    calls, arrivals = [], []
+    real, real_arrive = pft_module.pushed_experts, push_kernels.push_gmm
     monkeypatch.setattr(pft_module, "pushed_experts", lambda *a: calls.append(1) or real(*a))
-    if not fused:
+    monkeypatch.setattr(push_kernels, "push_gmm", lambda *a, **k: arrivals.append(k) or real_arrive(*a, **k))
+    if fused == "after":
         monkeypatch.setenv("XMOE_FUSED_RETURN", "off")
+    if fused == "arrive":
+        monkeypatch.setenv("XMOE_FUSED_ARRIVE", "on")
     cfg = dataclasses.replace(CFG_A, drop_policy="probs")
     par = ParallelConfig(dispatch="pft", recv_buffer_factor=0.5, transport="push")
     params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
     out = _check(cfg, (2, 4, 1), params, x, par)
     assert int(out["aux"].num_overflow) > 0
-    assert bool(calls) == fused
+    assert bool(calls) == (fused != "after")
+    # forward: the dispatch with the first up-projection; backward: the cotangent with d act = d y W^T
+    assert [k["transpose_rhs"] for k in arrivals] == ([False, True] if fused == "arrive" else [])
 
 
 def test_compact_receive_buffers_hold_a_multiple_of_8_rows():

@@ -140,6 +140,24 @@ def test_push_returns_inside_the_gemm_unless_arrival_or_the_env_says_otherwise(m
         transports.gmm_move(get("push"))
 
 
+def test_push_runs_the_exchange_before_a_gemm_inside_it_only_when_asked(monkeypatch):
+    """push's dispatch and cotangent run with the GEMM after them in one kernel (its record's arrive_gmm)
+    only with XMOE_FUSED_ARRIVE=on (not yet measured on a GPU), and only where the return is fused too
+    (the rows are grouped); other values are refused."""
+    from xmoe_jax.moe.exchange import move_push_arrive
+
+    monkeypatch.delenv(transports.FUSED_ARRIVE_ENV, raising=False)
+    assert transports.arrive_gmm(get("push")) is None
+    monkeypatch.setenv(transports.FUSED_ARRIVE_ENV, "on")
+    assert transports.arrive_gmm(get("push")) is move_push_arrive
+    assert transports.arrive_gmm(get("exact")) is None
+    monkeypatch.setenv(transports.FUSED_RETURN_ENV, "off")
+    assert transports.arrive_gmm(get("push")) is None
+    monkeypatch.setenv(transports.FUSED_ARRIVE_ENV, "yes")
+    with pytest.raises(ValueError, match="XMOE_FUSED_ARRIVE='yes': use on or off"):
+        transports.arrive_gmm(get("push"))
+
+
 def test_docs_show_the_table():
     assert transports.markdown_table() in (ROOT / "docs" / "exchange.md").read_text()
 

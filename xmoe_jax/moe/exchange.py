@@ -38,6 +38,9 @@ the reverse exchange. The row movers of the compact ones live here:
 The return of expert-major arrival can run inside the down-projection's kernel (`gmm_move`, a
 transport's `gmm_move`): push's (`move_push_gmm`) is the grouped GEMM whose epilogue stores every
 output row on the peer it came from, so the exchange runs under the GEMM (kernels/push: gmm_push).
+The exchange before a GEMM can run inside it too (`arrive_gmm`): push's (`move_push_arrive`) pushes
+the rows and multiplies each local expert's rows as soon as they have landed (kernels/push: push_gmm;
+XMOE_FUSED_ARRIVE=on, not yet measured on a GPU).
 The fifth transport, `bucketed`, is not a ragged exchange: pft lays its buffers out as
 fixed per-peer chunks sized by the step's buffer bucket and moves them with one dense
 `all_to_all` (layouts.py).
@@ -235,6 +238,30 @@ def move_push_gmm(
         num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk, transpose_rhs=transpose_rhs,
     )  # fmt: skip
     return match_vma(out_MN, lhs_RF)[0]
+
+
+def move_push_arrive(
+    x_ND,
+    plan: Plan,
+    out_rows: int,
+    axis_name: str,
+    max_chunk: int,
+    rhs_EKN,
+    group_sizes_E,
+    transpose_rhs=False,
+):
+    """`(x_MD := move_push(x_ND, plan, ...), gmm(x_MD, rhs_EKN, group_sizes_E))` as one kernel: the plan
+    holds one update per (peer, local expert), so the rows land grouped by local expert, and each
+    group's GEMM starts when its rows have landed (kernels/push: push_gmm). Not differentiable by
+    itself (experts.pushed_experts holds its VJP)."""
+    from xmoe_jax.kernels.push import push_gmm  # the kernel's module imports Mosaic GPU
+
+    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    x_MD, out_MN = push_gmm(
+        x_ND, rhs_EKN, group_sizes_E, meta_3X, out_rows=out_rows, axis_name=axis_name,
+        num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk, transpose_rhs=transpose_rhs,
+    )  # fmt: skip
+    return match_vma(x_MD, x_ND)[0], match_vma(out_MN, x_ND)[0]
 
 
 def no_cotangent(plan: Plan) -> Plan:

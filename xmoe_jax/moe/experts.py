@@ -23,6 +23,7 @@ rows through an index on load and write them through an index on store.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -191,12 +192,14 @@ def _act_down_scatter_bwd(num_out, activation, res, d_MD):
 _act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
 
 
-def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str):
-    """The down-projection's backward (act and cast recomputed): d hidden per matrix and d w."""
+def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str, d_act_RF=None):
+    """The down-projection's backward (act and cast recomputed): d hidden per matrix and d w. `d_act_RF`:
+    d y W^T when the exchange's kernel computed it already (transports.arrive_gmm)."""
     act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
     d_MD = d_MD.astype(act_RF.dtype)
-    w = w_EFD.astype(act_RF.dtype)
-    d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
+    if d_act_RF is None:
+        w = w_EFD.astype(act_RF.dtype)
+        d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
     dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
     return act_vjp(d_act_RF), dw_EFD
 
@@ -210,6 +213,9 @@ class Return(NamedTuple):
     axis_name: str
     transport: Transport
     max_piece: int
+    # the exchanges that bring rows here, each with the GEMM after it in one kernel
+    # (transports.arrive_gmm: push's arrive prologue), or None: the exchange, then the GEMM
+    arrive: Callable | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -232,8 +238,22 @@ def _act_down_return_fwd(hidden, w_EFD, group_sizes_E, plan, ret, activation):
 
 def _act_down_return_bwd(ret, activation, res, d_AD):
     hidden, w_EFD, group_sizes_E, plan = res
-    d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
-    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
+    if ret.arrive is None:
+        d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
+        d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
+        return d_hidden, dw_EFD, None, no_cotangent(plan)
+    dt = hidden[-1].dtype  # the cotangent arrives in the activation's dtype; d act = d y W^T on arrival
+    d_MD, d_act_RF = ret.arrive(
+        d_AD.astype(dt),
+        plan,
+        ret.recv_rows,
+        ret.axis_name,
+        ret.max_piece,
+        w_EFD.astype(dt),
+        group_sizes_E,
+        True,
+    )
+    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation, d_act_RF)
     return d_hidden, dw_EFD, None, no_cotangent(plan)
 
 
@@ -402,8 +422,17 @@ def _arrive_up(x_AD, w_up: tuple, group_sizes_E, plan, ret: Return):
 
 
 def _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret):
-    x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
-    hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
+    if ret.arrive is None:
+        x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
+        hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
+        return hidden, (x_MD, w_up, group_sizes_E, plan)
+    # the first up-projection runs inside the exchange's kernel, on each expert's rows as they land
+    first, *rest = (w.astype(x_AD.dtype) for w in w_up)
+    x_MD, h_RF = ret.arrive(
+        x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece, first, group_sizes_E, False
+    )
+    x_MD = tag(x_MD, EXCHANGE_IN)
+    hidden = (h_RF, *(gmm(x_MD, w, group_sizes_E, zero_unwritten=False) for w in rest))
     return hidden, (x_MD, w_up, group_sizes_E, plan)
 
 

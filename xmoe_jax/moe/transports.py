@@ -35,7 +35,14 @@ from typing import Literal
 
 import jax
 
-from xmoe_jax.moe.exchange import move_emulated, move_exact, move_push, move_push_gmm, move_ragged
+from xmoe_jax.moe.exchange import (
+    move_emulated,
+    move_exact,
+    move_push,
+    move_push_arrive,
+    move_push_gmm,
+    move_ragged,
+)
 
 AUTO = "auto"  # the request, not a transport: settled by `choose`
 GPUS = ("cuda", "rocm")
@@ -77,6 +84,10 @@ class Transport:
     # (lhs_RF, rhs_EFD, group_sizes_E, plan, out_rows, axis_name, max_chunk) -> [out_rows, D]; None: the
     # GEMM and then `move`
     gmm_move: Callable | None = None
+    # expert-major arrival's dispatch (and the backward's cotangent), run with the grouped GEMM after it
+    # in one kernel (exchange.py): (x_ND, plan, out_rows, axis_name, max_chunk, rhs_EKN, group_sizes_E,
+    # transpose_rhs) -> ([out_rows, D] received, [out_rows, N] GEMM); None: `move` and then the GEMM
+    arrive_gmm: Callable | None = None
 
     def runs_on(self, platform: str) -> bool:
         return self.platforms is None or platform in self.platforms
@@ -137,6 +148,7 @@ TABLE: dict[str, Transport] = {
             buffers_shrink=False,  # one receive buffer per run: grown on overflow, never shrunk
             arrival="expert",  # its updates are cheap to split per local expert (benchmarks/exchange.md)
             gmm_move=move_push_gmm,  # the down-projection's epilogue pushes its rows (kernels/push: gmm_push)
+            arrive_gmm=move_push_arrive,  # the GEMM after the exchange waits per group (kernels/push: push_gmm)
         ),
         Transport(
             "emulated",
@@ -234,6 +246,19 @@ def gmm_move(t: Transport) -> Callable | None:
     if forced not in (None, "off"):
         raise ValueError(f"{FUSED_RETURN_ENV}={forced!r}: use off (or unset it for each transport's own)")
     return None if forced or arrival(t) != "expert" else t.gmm_move
+
+
+FUSED_ARRIVE_ENV = "XMOE_FUSED_ARRIVE"  # `on`: the exchange before a GEMM runs inside it
+
+
+def arrive_gmm(t: Transport) -> Callable | None:
+    """`t`'s exchange inside the GEMM after it (the record's `arrive_gmm`; only with expert-major
+    arrival and the return fused, `gmm_move`), or None. Opt-in (XMOE_FUSED_ARRIVE=on) until it has been
+    measured on a GPU (docs/exchange.md)."""
+    wanted = os.environ.get(FUSED_ARRIVE_ENV) or None
+    if wanted not in (None, "on", "off"):
+        raise ValueError(f"{FUSED_ARRIVE_ENV}={wanted!r}: use on or off")
+    return t.arrive_gmm if wanted == "on" and gmm_move(t) else None
 
 
 def ragged_preset(requested: str) -> str | None:

@@ -36,6 +36,17 @@ When a compute warpgroup's stores have landed it signals every peer once; the ke
 device when its first CTA has counted 2 x CTAs x P signals (every warpgroup of every device is done
 writing to it). One process must drive every GPU of the axis (the peers' addresses reach one
 process only), as for the push kernel.
+
+Arrive prologue (`arrive_gmm_ws`, kernels/push: `push_gmm`): the exchange before a GEMM and the GEMM
+in one launch, so the rows of local expert g are multiplied while those of g + 1, ... are still on
+the wire. The grid's first `ArriveSpec.push_ctas` CTAs run the push kernel's loop (push/mgpu.py,
+`push_loop`) group-major: local expert g to every peer, then g + 1. When a CTA's copies of group g
+have landed it adds 1 to semaphore g on every peer. The other CTAs run the GEMM over the receive
+buffer the peers fill (this kernel's first output), in the persistent loop above; before a work item
+of group g they wait until semaphore g holds P x push_ctas (every CTA of every device has written its
+part of g; the wait does not consume, as in JAX's collective_matmul_mgpu.py). Before it ends, each
+device waits for every group's count, so no signal reaches the semaphores after the kernel.
+Untested on a GPU as of its writing (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -84,6 +95,21 @@ class PushSpec:
     out_rows: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ArriveSpec:
+    """The exchange an arrive prologue runs (module docstring): P = num_peers devices of `axis_name`,
+    U updates per peer (the local experts), `recv_rows` rows received on each; `push_ctas` CTAs copy,
+    through `push_stages` shared-memory stages of `push_block_bytes`."""
+
+    axis_name: str
+    num_peers: int
+    updates_per_peer: int
+    recv_rows: int
+    push_ctas: int = 16
+    push_stages: int = 3
+    push_block_bytes: int = 16 * 1024
+
+
 def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig, num_rows: int | None = None) -> str | None:
     """Why the kernel cannot take this call, or None."""
     if num_rows is not None and (num_rows % 8 or num_rows < config.cta_m):
@@ -128,12 +154,18 @@ def _kernel(
     num_ctas: int,
     transpose_rhs: bool,
     push: PushSpec | None,
+    arrive: ArriveSpec | None = None,
 ):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax import lax
 
-    seg_gmem, out_gmem = refs if push else (None, *refs)
+    if arrive is not None:  # (work items, send rows, rhs, plan) -> (receive buffer, output)
+        send_gmem = a_gmem
+        plan_gmem, a_gmem, out_gmem = refs
+        seg_gmem = None
+    else:
+        seg_gmem, out_gmem = refs if push else (None, *refs)
     dtype = a_gmem.dtype
     out_dtype = out_gmem.dtype
     k_dim = a_gmem.shape[1]
@@ -205,24 +237,36 @@ def _kernel(
             first, dst = first + (count & size), dst + (count & size)
             size //= 2
 
-    @functools.partial(
-        pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, tile_m, epi_n), out_dtype),
-        collective_axes="wg",
-    )
-    def _scope(pipeline_allocs, out_smem):
+    num_tiles = num_items * n_iters
+    if arrive is None:
+
+        def tile_loop(body):  # every CTA: tiles cta, cta + CTAs, ...
+            plgpu.nd_loop((num_tiles,), collective_axes="cluster_grid")(lambda info: body(info.index[0]))
+
+    else:
+        cta = lax.axis_index("cluster_grid")
+        gemm_ctas = num_ctas - arrive.push_ctas
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((arrive.updates_per_peer,)))
+        arrived = arrive.num_peers * arrive.push_ctas  # every copying CTA of every device, per group
+
+        def tile_loop(body):  # the CTAs past the copying ones
+            pl.loop(cta - arrive.push_ctas, num_tiles, step=gemm_ctas)(body)
+
+        _arrive_push(send_gmem, plan_gmem, a_gmem, sems, cta, arrive)
+
+    def gemm_tiles(pipeline_allocs, out_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((num_items * n_iters,), collective_axes="cluster_grid")
-        def _tile_loop(loop_info):
-            (lin,) = loop_info.index
+        @tile_loop
+        def _tile_loop(lin):
             item, n_idx = plgpu.planar_snake(lin, (num_items, n_iters), 1, config.snake_width)
             group, tile = meta_gmem[0, item], meta_gmem[1, item]
             row_lo, rows = meta_gmem[2, item], meta_gmem[3, item]
 
             @pl.when(rows > 0)
             def _work():
+                if arrive is not None:  # group g's rows have landed from every peer
+                    pl.semaphore_wait(sems.at[group], arrived, decrement=False)
                 cta_rows = pl.ds(tile * cta_m, cta_m)
                 cta_cols = pl.ds(n_idx * cta_n, cta_n)
                 if config.split == "m":
@@ -262,6 +306,17 @@ def _kernel(
                     a_gmem.at[cta_rows, :], b_cols, allocations=pipeline_allocs
                 )
 
+    scope = functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, tile_m, epi_n), out_dtype),
+        collective_axes="wg",
+    )
+    if arrive is None:
+        scope(gemm_tiles)
+    else:
+        pl.when(cta >= arrive.push_ctas)(lambda: scope(gemm_tiles))
+
     if push is None:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return
@@ -279,6 +334,49 @@ def _kernel(
         pl.semaphore_wait(sem, 2 * num_ctas * push.num_peers)
 
 
+def _arrive_push(send_gmem, plan_gmem, recv_gmem, sems, cta, arrive: ArriveSpec):
+    """The arrive prologue's copying CTAs (module docstring): warpgroup 0 of CTAs [0, push_ctas) pushes
+    this device's send rows group-major and signals group g on every peer once its copies of g have
+    landed; CTA 0 then waits until every group is complete here."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax import lax
+
+    from xmoe_jax.kernels.push import mgpu as push_mgpu
+
+    dim = send_gmem.shape[1]
+    rows = push_mgpu.block_rows(dim * jnp.dtype(send_gmem.dtype).itemsize, arrive.push_block_bytes)
+    axis, peers = arrive.axis_name, arrive.num_peers
+
+    def group_done(g):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # this CTA's copies of group g have landed
+        for peer in range(peers):
+            pl.semaphore_signal(sems.at[g], 1, device_id={axis: peer})
+
+    @pl.when(cta < arrive.push_ctas)
+    def _copying_cta():
+        @functools.partial(
+            pl.run_scoped,
+            smem=plgpu.SMEM((arrive.push_stages, rows, dim), send_gmem.dtype),
+            bars=plgpu.Barrier(num_arrivals=1, num_barriers=arrive.push_stages),
+            collective_axes="wg",
+        )
+        def _scope(smem, bars):
+            @pl.when(lax.axis_index("wg") == 0)
+            def _push():
+                push_mgpu.push_loop(
+                    plan_gmem, send_gmem, recv_gmem, smem, bars, cta=cta, num_ctas=arrive.push_ctas,
+                    axis_name=axis, num_peers=peers, updates_per_peer=arrive.updates_per_peer, rows=rows,
+                    stages=arrive.push_stages, group_done=group_done,
+                )  # fmt: skip
+
+                @pl.when(cta == 0)
+                def _all_landed():  # no peer signals this device after the kernel
+                    @pl.loop(0, arrive.updates_per_peer)
+                    def _(g):
+                        pl.semaphore_wait(sems.at[g], peers * arrive.push_ctas, decrement=False)
+
+
 def gmm_ws(
     lhs_RK: jax.Array,
     rhs_EKN: jax.Array,
@@ -294,8 +392,6 @@ def gmm_ws(
     for r < sum(group_sizes); the other rows are left unwritten. With `push` and the reverse plan's
     int32 [3, P * U] `seg_3X` (start here, rows, start there): [push.out_rows, N] on each device, the
     rows its peers' GEMMs sent it. Module docstring for the rest."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     num_rows, k_dim = lhs_RK.shape
     n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
     reason = shape_reason(lhs_RK.dtype, k_dim, n_dim, config, num_rows)
@@ -305,27 +401,82 @@ def gmm_ws(
         raise ValueError(
             f"gmm_ws: a push needs seg_3X and output rows of a multiple of 8, got {push.out_rows}"
         )
-    meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
-    num_items = meta_4I.shape[1]
     out_rows = num_rows if push is None else push.out_rows
-    num_ctas = _num_sms()
+    kernel = _launch(
+        group_sizes_E, num_rows, config, transpose_rhs,
+        out_type=jax.ShapeDtypeStruct((out_rows, n_dim), out_dtype or lhs_RK.dtype),
+        push=push, name="xmoe_gmm_ws" if push is None else "xmoe_gmm_ws_push",
+    )  # fmt: skip
+    if push is None:
+        return kernel(lhs_RK, rhs_EKN)
+    return kernel(lhs_RK, rhs_EKN, seg_3X.astype(jnp.int32))
+
+
+def _launch(
+    group_sizes_E, num_rows: int, config: WsConfig, transpose_rhs: bool, *, out_type, name: str, **spec
+):
+    """The kernel over gmm's work list for `num_rows` grouped rows, as a function of its other operands."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
             config=config,
-            num_items=num_items,
-            num_ctas=num_ctas,
+            num_items=meta_4I.shape[1],
+            num_ctas=_num_sms(),
             transpose_rhs=transpose_rhs,
-            push=push,
+            push=spec.pop("push", None),
+            **spec,
         ),
-        out_type=jax.ShapeDtypeStruct((out_rows, n_dim), out_dtype or lhs_RK.dtype),
-        grid=(num_ctas,),
+        out_type=out_type,
+        grid=(_num_sms(),),
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        kernel_name="xmoe_gmm_ws" if push is None else "xmoe_gmm_ws_push",
+        kernel_name=name,
     )
-    if push is None:
-        return kernel(meta_4I, lhs_RK, rhs_EKN)
-    return kernel(meta_4I, lhs_RK, rhs_EKN, seg_3X.astype(jnp.int32))
+    return functools.partial(kernel, meta_4I)
+
+
+def arrive_gmm_ws(
+    x_ND: jax.Array,
+    plan_3X: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    *,
+    arrive: ArriveSpec,
+    out_dtype=None,
+    config: WsConfig = WsConfig(),
+    transpose_rhs: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(recv_MD, out_MN) on each device: the push exchange of x_ND by `plan_3X` (int32 [3, P * U]: per
+    update its start here, rows and start on peer x // U, the receiving side grouped by local expert,
+    as push_rows takes it) and gmm(recv_MD, rhs_EKN, group_sizes_E) in one kernel (module docstring:
+    arrive prologue). M = arrive.recv_rows; rows of recv past what peers write and of out past
+    sum(group_sizes) are unwritten."""
+    num_rows, dim = arrive.recv_rows, x_ND.shape[1]
+    n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
+    reason = shape_reason(x_ND.dtype, dim, n_dim, config, num_rows)
+    if reason or x_ND.dtype != rhs_EKN.dtype:
+        raise ValueError(f"arrive_gmm_ws: {reason or 'send rows and rhs dtypes differ'}")
+    if not 0 < arrive.push_ctas < _num_sms() or rhs_EKN.shape[0] != arrive.updates_per_peer:
+        raise ValueError(
+            f"arrive_gmm_ws: push_ctas={arrive.push_ctas} must leave CTAs for the GEMM on {_num_sms()} SMs, "
+            f"and rhs's {rhs_EKN.shape[0]} groups must be the {arrive.updates_per_peer} updates per peer"
+        )
+    out_types = (
+        jax.ShapeDtypeStruct((num_rows, dim), x_ND.dtype),
+        jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype or x_ND.dtype),
+    )
+    kernel = _launch(
+        group_sizes_E,
+        num_rows,
+        config,
+        transpose_rhs,
+        out_type=out_types,
+        arrive=arrive,
+        name="xmoe_arrive_gmm_ws",
+    )
+    return tuple(kernel(x_ND, rhs_EKN, plan_3X.astype(jnp.int32)))

@@ -127,3 +127,46 @@ def gmm_push(
         y_RN, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_piece,
         implementation=impl,
     )  # fmt: skip
+
+
+def push_gmm(
+    x_ND: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    meta_3X: jax.Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    num_peers: int,
+    max_piece: int,
+    transpose_rhs: bool = False,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(recv_MD, out_MN) on each device: `push_rows(x_ND, meta_3X, ...)` and the grouped GEMM of what
+    arrived (module docstring), U = E groups per peer; rhs [E, N, K] with `transpose_rhs`. Rows no
+    update targets: zeros (xla), undefined (mgpu); out's rows past sum(group_sizes) are unspecified."""
+    from xmoe_jax.kernels import defaults, gmm
+    from xmoe_jax.kernels.gmm import mgpu_ws
+
+    impl = _implementation(implementation)
+    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[1 if transpose_rhs else 2]
+    if meta_3X.shape[1] != num_peers * num_groups:
+        raise ValueError(
+            f"push_gmm: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
+        )
+    config = defaults.ws_config(n_dim)
+    fused = impl == "mgpu" and defaults.default_implementation("gmm") == "ws" and x_ND.dtype == rhs_EKN.dtype
+    if fused and not mgpu_ws.shape_reason(x_ND.dtype, x_ND.shape[1], n_dim, config, out_rows):
+        spec = mgpu_ws.ArriveSpec(axis_name, num_peers, num_groups, out_rows)
+        recv_MD, out_MN = mgpu_ws.arrive_gmm_ws(
+            x_ND, meta_3X, rhs_EKN, group_sizes_E, arrive=spec, config=config, transpose_rhs=transpose_rhs
+        )
+        return jax.lax.optimization_barrier((recv_MD, out_MN))  # as push_rows' result (mgpu.py says why)
+    recv_MD = push_rows(
+        x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_piece,
+        implementation=impl,
+    )  # fmt: skip
+    out_MN = gmm(
+        recv_MD, rhs_EKN, group_sizes_E.astype(jnp.int32), transpose_rhs=transpose_rhs, zero_unwritten=False
+    )
+    return recv_MD, out_MN

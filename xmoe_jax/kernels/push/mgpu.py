@@ -49,24 +49,28 @@ def block_rows(row_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def _kernel(
+def push_loop(
     meta_ref,
     x_ref,
     out_ref,
     smem_ref,
     bars_ref,
     *,
+    cta,
+    num_ctas: int,
     axis_name,
-    num_peers,
-    updates_per_peer,
-    num_ctas,
-    rows,
-    stages,
+    num_peers: int,
+    updates_per_peer: int,
+    rows: int,
+    stages: int,
+    group_done=None,
 ):
+    """CTA `cta` of `num_ctas`: its share of every update of `meta_ref` (steps 1 and 2 of the module
+    docstring), through its `smem_ref` stages. Without `group_done`, update by update from peer me + 1
+    round; with it, group-major (local expert g = x % U to every peer, me + 1 first, then g + 1) and
+    `group_done(g)` after this CTA's copies of group g were issued (arrive.py: the GEMM waits per group)."""
     num_updates = num_peers * updates_per_peer
-    cta = lax.axis_index("cta")
     me = lax.axis_index(axis_name)
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
     def load(src_row, count: int, slot):
         plgpu.copy_gmem_to_smem(
@@ -109,10 +113,7 @@ def _kernel(
         store(slot, count, peer_out, dst_row)
         return step + 1
 
-    def update(i, step):
-        # devices walk the updates from different peers (me + 1 first), so at any moment each GPU
-        # is written by about one other instead of all of them writing to peer 0 together
-        x = lax.rem(i + (me + 1) * updates_per_peer, num_updates)
+    def move(x, step):
         src, size, dst = meta_ref[0, x], meta_ref[1, x], meta_ref[2, x]
         peer_out = plgpu.remote_ref(out_ref, {axis_name: x // updates_per_peer})
         full = size // rows
@@ -133,7 +134,32 @@ def _kernel(
             count //= 2
         return step
 
-    lax.fori_loop(0, num_updates, update, jnp.int32(0))
+    if group_done is None:
+        # devices walk the updates from different peers (me + 1 first), so at any moment each GPU
+        # is written by about one other instead of all of them writing to peer 0 together
+        def update(i, step):
+            return move(lax.rem(i + (me + 1) * updates_per_peer, num_updates), step)
+
+        return lax.fori_loop(0, num_updates, update, jnp.int32(0))
+
+    def group(g, step):
+        def peer(j, step):
+            return move(lax.rem(me + 1 + j, num_peers) * updates_per_peer + g, step)
+
+        step = lax.fori_loop(0, num_peers, peer, step)
+        group_done(g)
+        return step
+
+    return lax.fori_loop(0, updates_per_peer, group, jnp.int32(0))
+
+
+def _kernel(meta_ref, x_ref, out_ref, smem_ref, bars_ref, *, axis_name, num_peers, num_ctas, **loop):
+    cta = lax.axis_index("cta")
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    push_loop(
+        meta_ref, x_ref, out_ref, smem_ref, bars_ref, cta=cta, num_ctas=num_ctas, axis_name=axis_name,
+        num_peers=num_peers, **loop,
+    )  # fmt: skip
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # every write of this CTA has landed
     for peer in range(num_peers):
         pl.semaphore_signal(sem, 1, device_id={axis_name: peer})
