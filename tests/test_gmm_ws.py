@@ -138,6 +138,14 @@ def test_the_arrive_prologue_lowers_to_mosaic_gpu_for_cuda(transpose):
             jnp.asarray([9, 9]),
             arrive=mgpu_ws.ArriveSpec("expert", 4, 2, 256, push_ctas=0),
         )
+    with pytest.raises(ValueError, match="push_stages=1 must be at least 2"):
+        mgpu_ws.arrive_gmm_ws(
+            jnp.zeros((256, 64), jnp.bfloat16),
+            jnp.zeros((3, 8), jnp.int32),
+            jnp.zeros((2, 64, 256), jnp.bfloat16),
+            jnp.asarray([9, 9]),
+            arrive=mgpu_ws.ArriveSpec("expert", 4, 2, 256, push_stages=1),
+        )
 
 
 def test_shapes_it_cannot_take_are_refused_before_tracing():

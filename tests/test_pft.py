@@ -445,6 +445,41 @@ def test_push_returns_rows_from_inside_the_down_projection(fused: str, monkeypat
     assert [k["transpose_rhs"] for k in arrivals] == ([False, True] if fused == "arrive" else [])
 
 
+def test_a_policy_that_recomputes_the_hidden_fuses_only_the_backward_s_arrival(monkeypatch) -> None:
+    """XMOE_FUSED_ARRIVE=on: one kernel yields the received rows and the first hidden, so under a remat
+    policy that recomputes the hidden (save_exchange) the forward's dispatch stays the push kernel and
+    then the GEMM; fused, the backward would run the whole exchange again to recompute the hidden (a
+    review's finding). The gradient program then holds as many exchanges as with the arrival unfused,
+    and the backward's cotangent still runs through the fused kernel."""
+    import xmoe_jax.kernels.push as push_kernels
+    from xmoe_jax import remat
+
+    cfg, mesh = dataclasses.replace(CFG_A, drop_policy="probs"), _mesh((2, 4, 1))
+    par = ParallelConfig(dispatch="pft", recv_buffer_factor=0.5, transport="push")
+    params, x = _params(cfg, _offsets(cfg.num_experts, "moderate")), _x(shift=1.0)
+    arrivals = []
+    real = push_kernels.push_gmm
+    monkeypatch.setattr(
+        push_kernels, "push_gmm", lambda *a, **k: arrivals.append(k["transpose_rhs"]) or real(*a, **k)
+    )
+
+    def exchanges(fused: str, mode: str) -> int:
+        monkeypatch.setenv("XMOE_FUSED_ARRIVE", fused)
+        arrivals.clear()
+
+        def loss(p, x):
+            y, _ = moe_layer(p, x, cfg, par, mesh=mesh)
+            return jnp.sum(y)
+
+        text = str(jax.make_jaxpr(jax.grad(remat.remat(loss, mode)))(params, x))
+        return text.count("all_to_all")
+
+    assert exchanges("on", "save_exchange") == exchanges("off", "save_exchange")
+    assert exchanges("on", "save_exchange") and arrivals == [True]  # the cotangent only
+    exchanges("on", "save_dots")  # keeps the hidden: both (the forward traced by the primal and its rule)
+    assert set(arrivals) == {False, True}
+
+
 def test_compact_receive_buffers_hold_a_multiple_of_8_rows():
     """The expert GEMMs run on the receive buffer in place, and our Mosaic kernels take only row
     counts of a multiple of 8 (a factor's ceil(f * T * K) sent them all to Pallas at EP 2 and 4)."""

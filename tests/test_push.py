@@ -179,3 +179,15 @@ def test_the_fused_return_benchmark_runs_tiny_on_cpu(tmp_path):
         (p, c) for p in ("down", "dgrad") for c in ("uniform", "skewed")
     }
     assert all(r["fused_equals_serial"] and r["rel_err_fused"] < 1e-2 for r in checks), checks
+
+
+def test_the_copying_ctas_of_push_gmm_come_from_the_env_or_16(monkeypatch):
+    from xmoe_jax.kernels.push import api
+
+    monkeypatch.delenv(api.ARRIVE_CTAS_ENV, raising=False)
+    assert api.arrive_ctas() == 16
+    monkeypatch.setenv(api.ARRIVE_CTAS_ENV, "32")
+    assert api.arrive_ctas() == 32
+    monkeypatch.setenv(api.ARRIVE_CTAS_ENV, "0")
+    with pytest.raises(ValueError, match="XMOE_ARRIVE_CTAS='0': use a positive number"):
+        api.arrive_ctas()

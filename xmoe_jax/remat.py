@@ -20,6 +20,9 @@ than `none` (benchmarks/memory.md), and a config naming it is refused with that 
 
 from __future__ import annotations
 
+import contextvars
+import functools
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -41,27 +44,17 @@ EXCHANGE_IN, EXCHANGE_OUT = "exchange_in", "exchange_out"
 ROUTING = "routing"
 
 _save = jax.checkpoint_policies.save_only_these_names
-POLICIES = {
-    "full": _save(ROUTING),
-    "save_dots": _save(
-        ATTN_QKV,
-        ATTN_CORE,
-        ATTN_OUT,
-        MLP_HIDDEN,
-        MLP_OUT,
-        MOE_DISPATCHED,
-        EXCHANGE_IN,
-        EXCHANGE_OUT,
-        EXPERT_HIDDEN,
-        EXPERT_OUT,
-        ROUTING,
-    ),
-    "save_attention_and_experts": _save(
-        ATTN_CORE, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, EXPERT_OUT, ROUTING
-    ),
-    "save_sublayer_outputs": _save(ATTN_OUT, MLP_OUT, MOE_OUT, ROUTING),
-    "save_exchange": _save(EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
-}
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("xmoe_remat_mode", default="none")
+_KEEPS = {
+    "full": (ROUTING,),
+    "save_dots": (ATTN_QKV, ATTN_CORE, ATTN_OUT, MLP_HIDDEN, MLP_OUT, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT,
+                  EXPERT_HIDDEN, EXPERT_OUT, ROUTING),
+    "save_attention_and_experts": (ATTN_CORE, MOE_DISPATCHED, EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, EXPERT_OUT,
+                                   ROUTING),
+    "save_sublayer_outputs": (ATTN_OUT, MLP_OUT, MOE_OUT, ROUTING),
+    "save_exchange": (EXCHANGE_IN, EXCHANGE_OUT, ROUTING),
+}  # fmt: skip
+POLICIES = {mode: _save(*names) for mode, names in _KEEPS.items()}
 REMAT_MODES = ("none", *POLICIES)
 
 
@@ -85,4 +78,21 @@ def remat(fn, mode: str, straight_line: bool = False):
         return fn
     if mode not in POLICIES:
         raise ValueError(f"model.remat={mode!r} is not one of {list(REMAT_MODES)}")
-    return jax.checkpoint(fn, policy=POLICIES[mode], prevent_cse=straight_line)
+
+    @functools.wraps(fn)
+    def traced_under_mode(*args, **kwargs):
+        token = _MODE.set(mode)  # what `keeps` answers while fn is traced
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _MODE.reset(token)
+
+    return jax.checkpoint(traced_under_mode, policy=POLICIES[mode], prevent_cse=straight_line)
+
+
+def keeps(name: str) -> bool:
+    """Whether the block being traced keeps tag `name` for its backward pass (true outside `remat`
+    and under model.remat=none: autodiff keeps everything). Code whose recomputation would cost more
+    than the tensor (an op that also runs an exchange) asks before producing it that way."""
+    mode = _MODE.get()
+    return mode == "none" or name in _KEEPS[mode]

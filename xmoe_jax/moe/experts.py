@@ -216,6 +216,10 @@ class Return(NamedTuple):
     # the exchanges that bring rows here, each with the GEMM after it in one kernel
     # (transports.arrive_gmm: push's arrive prologue), or None: the exchange, then the GEMM
     arrive: Callable | None = None
+    # the forward's dispatch too (else only the backward's cotangent): only where the block keeps the
+    # expert hidden (remat.keeps): one kernel yields the received rows and the first hidden, so a
+    # policy that recomputes the hidden would run the whole exchange again in the backward pass
+    arrive_forward: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -422,7 +426,7 @@ def _arrive_up(x_AD, w_up: tuple, group_sizes_E, plan, ret: Return):
 
 
 def _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret):
-    if ret.arrive is None:
+    if ret.arrive is None or not ret.arrive_forward:
         x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
         hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
         return hidden, (x_MD, w_up, group_sizes_E, plan)

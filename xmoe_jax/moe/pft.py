@@ -55,7 +55,7 @@ from xmoe_jax.moe.experts import Return, arrival_experts, combined_experts, push
 from xmoe_jax.moe.stages import Stages
 from xmoe_jax.moe.stats import ExchangeStats, exchange_matrix
 from xmoe_jax.moe.transports import Transport, arrive_gmm, gmm_move
-from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, MOE_DISPATCHED, tag
+from xmoe_jax.remat import EXCHANGE_IN, EXCHANGE_OUT, EXPERT_HIDDEN, MOE_DISPATCHED, keeps, tag
 
 ROW_ALIGN = 8  # the compact receive buffer's rows are a multiple of this (Mosaic tiles GMEM rows by 8)
 
@@ -204,8 +204,9 @@ def pft_stages(
         if fused and fp8_context.recipe_for("experts") is None:
             # the exchanges back to the sources run inside the GEMMs before them (push: under them);
             # the exchange stage ends after the up-projections, which the received rows go straight into
+            arrive = arrive_gmm(transport)
             ret = Return(
-                lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece, arrive_gmm(transport)
+                lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece, arrive, keeps(EXPERT_HIDDEN)
             )
             y_send_AD = pushed_experts(x_send_AD, experts, lay.cc_PL.sum(0), spec.activation, lay.plan, ret)
             y_send_AD = tag(y_send_AD, EXCHANGE_OUT)

@@ -106,8 +106,10 @@ class ArriveSpec:
     updates_per_peer: int
     recv_rows: int
     push_ctas: int = 16
-    push_stages: int = 3
-    push_block_bytes: int = 16 * 1024
+    # the push kernel's own (measured there); its shared memory is no more than the GEMM's ring, and the
+    # two scopes are siblings, so the larger is allocated
+    push_stages: int = 4
+    push_block_bytes: int = 32 * 1024
 
 
 def shape_reason(dtype, k_dim: int, n_dim: int, config: WsConfig, num_rows: int | None = None) -> str | None:
@@ -344,8 +346,9 @@ def _arrive_push(send_gmem, plan_gmem, recv_gmem, sems, cta, arrive: ArriveSpec)
 
     from xmoe_jax.kernels.push import mgpu as push_mgpu
 
-    dim = send_gmem.shape[1]
+    num_rows, dim = send_gmem.shape
     rows = push_mgpu.block_rows(dim * jnp.dtype(send_gmem.dtype).itemsize, arrive.push_block_bytes)
+    rows = min(rows, 1 << max(num_rows, 1).bit_length() - 1)  # no copy larger than the send buffer
     axis, peers = arrive.axis_name, arrive.num_peers
 
     def group_done(g):
@@ -461,9 +464,14 @@ def arrive_gmm_ws(
     reason = shape_reason(x_ND.dtype, dim, n_dim, config, num_rows)
     if reason or x_ND.dtype != rhs_EKN.dtype:
         raise ValueError(f"arrive_gmm_ws: {reason or 'send rows and rhs dtypes differ'}")
-    if not 0 < arrive.push_ctas < _num_sms() or rhs_EKN.shape[0] != arrive.updates_per_peer:
+    if (
+        not 0 < arrive.push_ctas < _num_sms()
+        or arrive.push_stages < 2
+        or rhs_EKN.shape[0] != arrive.updates_per_peer
+    ):
         raise ValueError(
             f"arrive_gmm_ws: push_ctas={arrive.push_ctas} must leave CTAs for the GEMM on {_num_sms()} SMs, "
+            f"push_stages={arrive.push_stages} must be at least 2 (one loading while one writes), "
             f"and rhs's {rhs_EKN.shape[0]} groups must be the {arrive.updates_per_peer} updates per peer"
         )
     out_types = (

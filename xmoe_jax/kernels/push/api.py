@@ -28,6 +28,8 @@ GEMM (kernels.gmm's default) and then the push reference.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -129,6 +131,18 @@ def gmm_push(
     )  # fmt: skip
 
 
+ARRIVE_CTAS_ENV = "XMOE_ARRIVE_CTAS"  # CTAs that push in push_gmm's kernel (the rest run the GEMM)
+
+
+def arrive_ctas() -> int:
+    """CTAs that copy in push_gmm's kernel: XMOE_ARRIVE_CTAS (for tuning: scripts/bench_gmm_push.py
+    --arrive-ctas), else 16 (not yet tuned on a GPU)."""
+    value = os.environ.get(ARRIVE_CTAS_ENV, "16")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ARRIVE_CTAS_ENV}={value!r}: use a positive number of CTAs (16 by default)")
+    return int(value)
+
+
 def push_gmm(
     x_ND: jax.Array,
     rhs_EKN: jax.Array,
@@ -157,7 +171,7 @@ def push_gmm(
     config = defaults.ws_config(n_dim)
     fused = impl == "mgpu" and defaults.default_implementation("gmm") == "ws" and x_ND.dtype == rhs_EKN.dtype
     if fused and not mgpu_ws.shape_reason(x_ND.dtype, x_ND.shape[1], n_dim, config, out_rows):
-        spec = mgpu_ws.ArriveSpec(axis_name, num_peers, num_groups, out_rows)
+        spec = mgpu_ws.ArriveSpec(axis_name, num_peers, num_groups, out_rows, push_ctas=arrive_ctas())
         recv_MD, out_MN = mgpu_ws.arrive_gmm_ws(
             x_ND, meta_3X, rhs_EKN, group_sizes_E, arrive=spec, config=config, transpose_rhs=transpose_rhs
         )

@@ -84,11 +84,12 @@ def push_loop(
         plgpu.barrier_wait(bars_ref.at[slot])
         plgpu.copy_smem_to_gmem(smem_ref.at[slot, pl.ds(0, count)], peer_out.at[pl.ds(dst_row, count)])
 
-    def blocks(num, src, dst, peer_out, step):
-        """This CTA's `num` full blocks of one update, loads one block ahead of the peer writes."""
+    def blocks(num, src, dst, peer_out, step, rank):
+        """This CTA's `num` full blocks of one update (it is the update's CTA `rank`), loads one block
+        ahead of the peer writes."""
 
         def first(j):
-            return (cta + j * num_ctas) * rows
+            return (rank + j * num_ctas) * rows
 
         @pl.when(num > 0)
         def _():
@@ -117,13 +118,18 @@ def push_loop(
         src, size, dst = meta_ref[0, x], meta_ref[1, x], meta_ref[2, x]
         peer_out = plgpu.remote_ref(out_ref, {axis_name: x // updates_per_peer})
         full = size // rows
-        mine = lax.div(jnp.maximum(full - cta, 0) + num_ctas - 1, jnp.int32(num_ctas))
-        step = blocks(mine, src, dst, peer_out, step)
+        # group-major (small updates, each group waited on): update x's blocks start at CTA x % G, so
+        # the first blocks of consecutive updates do not all fall on CTA 0; its tail goes to the CTA
+        # before that one, which holds the fewest of its blocks
+        rank = lax.rem(cta - lax.rem(x, num_ctas) + num_ctas, num_ctas) if group_done else cta
+        tail_rank = num_ctas - 1 if group_done else lax.rem(x, num_ctas)
+        mine = lax.div(jnp.maximum(full - rank, 0) + num_ctas - 1, jnp.int32(num_ctas))
+        step = blocks(mine, src, dst, peer_out, step, rank)
         tail = size - full * rows
         done = full * rows
         count = rows // 2
-        while count >= 1:  # the tail as power-of-two copies, by CTA x % G (static ladder)
-            take = (cta == lax.rem(x, num_ctas)) & ((tail & count) != 0)
+        while count >= 1:  # the tail as power-of-two copies, by one CTA (static ladder)
+            take = ((rank if group_done else cta) == tail_rank) & ((tail & count) != 0)
             step = lax.cond(
                 take,
                 functools.partial(lambda c, o, s: tail_copy(src + o, dst + o, peer_out, c, s), count, done),
