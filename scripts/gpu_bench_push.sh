@@ -29,8 +29,7 @@
 # once at the factor a learned router reaches within 15 steps (parallel.recv_buffer_factor=$SIZED_FACTOR, 2.5) instead
 # of grown to it from 1.2 (three recompiles, each rerunning a step); for the whole run against its last window.
 # Part `depth_arrive` (about 5 minutes): push at depth with the exchanges that bring rows (the dispatch, the
-# backward's cotangent) inside the GEMM after them too (XMOE_FUSED_ARRIVE=on, kernels/push: push_gmm); under
-# save_exchange only the cotangent's (the dispatch's would rerun in the backward: docs/exchange.md); its losses
+# backward's cotangent) inside the GEMM after them too (XMOE_FUSED_ARRIVE=on, kernels/push: push_gmm); its losses
 # must equal depth_push's. Part `arrive` (about 4 minutes): scripts/bench_gmm_push.py --passes up,ddown, that
 # kernel against the push kernel and then the GEMM (checked bit for bit first; a hang stops at ARRIVE_LIMIT, 240 s).
 # Part `gmm_push` (about 4 minutes): scripts/bench_gmm_push.py, the down-projection and the up-projection's data

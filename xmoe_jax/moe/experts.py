@@ -216,10 +216,9 @@ class Return(NamedTuple):
     # the exchanges that bring rows here, each with the GEMM after it in one kernel
     # (transports.arrive_gmm: push's arrive prologue), or None: the exchange, then the GEMM
     arrive: Callable | None = None
-    # the forward's dispatch too (else only the backward's cotangent): only where the block keeps the
-    # expert hidden (remat.keeps): one kernel yields the received rows and the first hidden, so a
-    # policy that recomputes the hidden would run the whole exchange again in the backward pass
-    arrive_forward: bool = False
+    # with `arrive`: keep the expert hidden for the backward (the block's remat policy keeps it:
+    # remat.keeps) or recompute it there from the kept received rows (`_arrived`)
+    keep_hidden: bool = True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -242,22 +241,8 @@ def _act_down_return_fwd(hidden, w_EFD, group_sizes_E, plan, ret, activation):
 
 def _act_down_return_bwd(ret, activation, res, d_AD):
     hidden, w_EFD, group_sizes_E, plan = res
-    if ret.arrive is None:
-        d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
-        d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
-        return d_hidden, dw_EFD, None, no_cotangent(plan)
-    dt = hidden[-1].dtype  # the cotangent arrives in the activation's dtype; d act = d y W^T on arrival
-    d_MD, d_act_RF = ret.arrive(
-        d_AD.astype(dt),
-        plan,
-        ret.recv_rows,
-        ret.axis_name,
-        ret.max_piece,
-        w_EFD.astype(dt),
-        group_sizes_E,
-        True,
-    )
-    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation, d_act_RF)
+    d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
+    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
     return d_hidden, dw_EFD, None, no_cotangent(plan)
 
 
@@ -412,8 +397,67 @@ def pushed_experts(
     gs_E = group_sizes_E.astype(jnp.int32)
     with jax.named_scope("experts"):
         w_up = tuple(experts[n] for n in _up_names(activation))
+        if ret.arrive is not None:  # the exchanges that bring rows, inside the GEMMs after them too
+            return _arrived(x_AD, w_up, experts["w_down"], gs_E, plan, ret, activation)
         hidden = _tag_hidden(_arrive_up(x_AD, w_up, gs_E, plan, ret), activation)
         return _act_down_return(hidden, experts["w_down"], gs_E, plan, ret, activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _arrived(x_AD, w_up: tuple, w_EFD, group_sizes_E, plan, ret: Return, activation: str):
+    """`pushed_experts` with all four exchanges inside GEMMs (`ret.arrive`, push's arrive prologue): the
+    dispatch with the first up-projection and the cotangent with d act = d y W_down^T, besides the two
+    returns. One custom VJP for the whole expert MLP: the dispatch's kernel yields the received rows
+    and the first hidden at once, so the hidden cannot be recomputed on its own. It is kept
+    (`ret.keep_hidden`: the policy keeps the expert hidden) or recomputed here from the received rows,
+    which are always kept (tagged EXCHANGE_IN): no remat policy reruns the exchange."""
+    return _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, ret, activation)[0]
+
+
+def _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, ret, activation):
+    first, *rest = (w.astype(x_AD.dtype) for w in w_up)
+    x_MD, h_RF = ret.arrive(
+        x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece, first, group_sizes_E, False
+    )
+    x_MD = tag(x_MD, EXCHANGE_IN)
+    hidden = _tag_hidden(
+        (h_RF, *(gmm(x_MD, w, group_sizes_E, zero_unwritten=False) for w in rest)), activation
+    )
+    act_RF = _act(*hidden, activation)
+    w = w_EFD.astype(act_RF.dtype)
+    y_AD = ret.transport.gmm_move(
+        act_RF, w, group_sizes_E, plan.reverse(), ret.send_rows, ret.axis_name, ret.max_piece
+    )
+    kept = hidden if ret.keep_hidden else None
+    return y_AD, (x_MD, kept, w_up, w_EFD, group_sizes_E, plan)
+
+
+def _arrived_bwd(ret, activation, res, d_AD):
+    x_MD, hidden, w_up, w_EFD, group_sizes_E, plan = res
+    if hidden is None:  # recomputed from the kept rows, as remat would (no exchange)
+        hidden = _tag_hidden(
+            tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up),
+            activation,
+        )
+    dt = x_MD.dtype  # d act = d y W_down^T on arrival, in the activation's dtype
+    d_MD, d_act_RF = ret.arrive(
+        d_AD.astype(dt),
+        plan,
+        ret.recv_rows,
+        ret.axis_name,
+        ret.max_piece,
+        w_EFD.astype(dt),
+        group_sizes_E,
+        True,
+    )
+    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation, d_act_RF)
+    if activation != "swiglu":
+        d_hidden = d_hidden[1:]  # GELU's hidden is (None, up): its gradient is the up-projection's only
+    dx_AD, dw_up = _up_return_bwd(x_MD, w_up, group_sizes_E, plan, ret, d_hidden)
+    return dx_AD, dw_up, dw_EFD, None, no_cotangent(plan)
+
+
+_arrived.defvjp(_arrived_fwd, _arrived_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -426,30 +470,33 @@ def _arrive_up(x_AD, w_up: tuple, group_sizes_E, plan, ret: Return):
 
 
 def _arrive_up_fwd(x_AD, w_up, group_sizes_E, plan, ret):
-    if ret.arrive is None or not ret.arrive_forward:
-        x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
-        hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
-        return hidden, (x_MD, w_up, group_sizes_E, plan)
-    # the first up-projection runs inside the exchange's kernel, on each expert's rows as they land
-    first, *rest = (w.astype(x_AD.dtype) for w in w_up)
-    x_MD, h_RF = ret.arrive(
-        x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece, first, group_sizes_E, False
-    )
-    x_MD = tag(x_MD, EXCHANGE_IN)
-    hidden = (h_RF, *(gmm(x_MD, w, group_sizes_E, zero_unwritten=False) for w in rest))
+    x_MD = tag(ret.transport.move(x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece), EXCHANGE_IN)
+    hidden = tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up)
     return hidden, (x_MD, w_up, group_sizes_E, plan)
 
 
 def _arrive_up_bwd(ret, res, d_hidden):
     x_MD, w_up, group_sizes_E, plan = res
+    dx_AD, dw = _up_return_bwd(x_MD, w_up, group_sizes_E, plan, ret, d_hidden)
+    return dx_AD, dw, None, no_cotangent(plan)
+
+
+def _up_return_bwd(x_MD, w_up, group_sizes_E, plan, ret: Return, d_hidden):
+    """The up-projections' backward: d x straight back to the sources (the data-gradient GEMM with the
+    reverse exchange inside, `ret.transport.gmm_move`) and d w per matrix."""
     d_RF, w_EDF = _up_bwd_operands(d_hidden, w_up, x_MD.dtype)
-    rev = plan.reverse()
     move = ret.transport.gmm_move
     dx_AD = move(
-        d_RF, w_EDF, group_sizes_E, rev, ret.send_rows, ret.axis_name, ret.max_piece, transpose_rhs=True
+        d_RF,
+        w_EDF,
+        group_sizes_E,
+        plan.reverse(),
+        ret.send_rows,
+        ret.axis_name,
+        ret.max_piece,
+        transpose_rhs=True,
     )
-    dw = _split_dw(tgmm(x_MD, d_RF, group_sizes_E), w_up)
-    return dx_AD, dw, None, no_cotangent(plan)
+    return dx_AD, _split_dw(tgmm(x_MD, d_RF, group_sizes_E), w_up)
 
 
 _arrive_up.defvjp(_arrive_up_fwd, _arrive_up_bwd)
