@@ -64,7 +64,25 @@ def recv_rows(topk: np.ndarray, peers: int, experts: int) -> int:
     return int(-(-per_gpu.max() // 128) * 128)
 
 
-ARRIVE_PASSES = ("up", "ddown")  # the exchange, then the GEMM on what arrived
+ARRIVE_PASSES = ("up", "ddown")
+
+
+def _runner(body, mesh):
+    """mode -> jit(shard_map) of (h, w, topk, pos, loops) -> body(..., mode) over the exchange axis."""
+    spec = PartitionSpec(AXIS)
+
+    def run(mode):
+        return jax.jit(
+            jax.shard_map(
+                lambda h, w, t, p, n: body(h, w, t, p, n, mode),
+                mesh=mesh,
+                in_specs=(spec, spec, spec, spec, PartitionSpec()),
+                out_specs=(spec, spec),
+                check_vma=False,
+            )
+        )
+
+    return run  # the exchange, then the GEMM on what arrived
 
 
 def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool, arrive: bool = False):
@@ -75,7 +93,6 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: b
     if arrive:
         return _build_arrive(peers, shape, num_recv, impl, transpose)
     mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-    spec = PartitionSpec(AXIS)
     push_t = get("push")
 
     def body(h_MF, w_LFD, topk_TK, pos_TK, loops, mode):
@@ -121,23 +138,11 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: b
         _, y = jax.lax.fori_loop(1, loops, step, (h_MF, y0)) if mode != "reference" else (h_MF, y0)
         return y, sent_A
 
-    def run(mode):
-        return jax.jit(
-            jax.shard_map(
-                lambda h, w, t, p, n: body(h, w, t, p, n, mode),
-                mesh=mesh,
-                in_specs=(spec, spec, spec, spec, PartitionSpec()),
-                out_specs=(spec, spec),
-                check_vma=False,
-            )
-        )
-
-    return run, mesh
+    return _runner(body, mesh), mesh
 
 
 def _build_arrive(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: bool):
     mesh = jax.make_mesh((peers,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-    spec = PartitionSpec(AXIS)
     push_t = get("push")
 
     def body(x_AD, w_LKN, topk_TK, pos_TK, loops, mode):
@@ -185,18 +190,7 @@ def _build_arrive(peers: int, shape: dict, num_recv: int, impl: str | None, tran
         r, y = out
         return jnp.concatenate([r.astype(jnp.float32), y.astype(jnp.float32)], axis=1), grouped_M
 
-    def run(mode):
-        return jax.jit(
-            jax.shard_map(
-                lambda h, w, t, p, n: body(h, w, t, p, n, mode),
-                mesh=mesh,
-                in_specs=(spec, spec, spec, spec, PartitionSpec()),
-                out_specs=(spec, spec),
-                check_vma=False,
-            )
-        )
-
-    return run, mesh
+    return _runner(body, mesh), mesh
 
 
 def main() -> int:

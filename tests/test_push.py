@@ -191,3 +191,23 @@ def test_the_copying_ctas_of_push_gmm_come_from_the_env_or_16(monkeypatch):
     monkeypatch.setenv(api.ARRIVE_CTAS_ENV, "0")
     with pytest.raises(ValueError, match="XMOE_ARRIVE_CTAS='0': use a positive number"):
         api.arrive_ctas()
+
+
+def test_the_gemm_and_its_exchange_fuse_only_where_ws_takes_the_call(monkeypatch):
+    """gmm_push and push_gmm run one kernel only where the contiguous gmm runs on ws and ws takes the
+    shapes; otherwise the GEMM and the push kernel run one after the other."""
+    from xmoe_jax.kernels import defaults
+    from xmoe_jax.kernels.push import api
+
+    rhs = jnp.zeros((4, 2048, 1408), jnp.bfloat16)
+    lhs = jnp.zeros((1024, 2048), jnp.bfloat16)
+    _, config = api._ws_plan("push_gmm", rhs, jnp.zeros((3, 16), jnp.int32), 4, False)
+    monkeypatch.setattr(defaults, "default_implementation", lambda op: "ws")
+    assert api._fused("mgpu", lhs, rhs, config, 1024, False)
+    assert not api._fused("xla", lhs, rhs, config, 1024, False)
+    assert not api._fused("mgpu", lhs.astype(jnp.float32), rhs, config, 1024, False)
+    assert not api._fused("mgpu", lhs, rhs, config, 1020, False)  # ws takes multiples of 8 rows
+    monkeypatch.setattr(defaults, "default_implementation", lambda op: "pallas")
+    assert not api._fused("mgpu", lhs, rhs, config, 1024, False)
+    with pytest.raises(ValueError, match="push_gmm: meta_3X has 12 updates, not 4 peers x 4 groups"):
+        api._ws_plan("push_gmm", rhs, jnp.zeros((3, 12), jnp.int32), 4, False)

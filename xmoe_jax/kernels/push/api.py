@@ -83,6 +83,30 @@ def push_rows(
     return xla.push_rows_reference(x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, max_piece=max_piece)
 
 
+def _ws_plan(op: str, rhs_EKN, meta_3X, num_peers: int, transpose_rhs: bool):
+    """(U, the ws config) of a GEMM fused with an exchange of U = E updates per peer."""
+    from xmoe_jax.kernels import defaults
+
+    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[1 if transpose_rhs else 2]
+    if meta_3X.shape[1] != num_peers * num_groups:
+        raise ValueError(
+            f"{op}: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
+        )
+    return num_groups, defaults.ws_config(n_dim)
+
+
+def _fused(impl: str, lhs, rhs_EKN, config, num_rows: int, transpose_rhs: bool) -> bool:
+    """One kernel where the contiguous gmm runs on ws and takes these shapes (XMOE_KERNELS=pallas, or
+    shapes ws refuses: the GEMM and the push kernel one after the other)."""
+    from xmoe_jax.kernels import defaults
+    from xmoe_jax.kernels.gmm import mgpu_ws
+
+    if impl != "mgpu" or defaults.default_implementation("gmm") != "ws" or lhs.dtype != rhs_EKN.dtype:
+        return False
+    n_dim = rhs_EKN.shape[1 if transpose_rhs else 2]
+    return not mgpu_ws.shape_reason(lhs.dtype, lhs.shape[1], n_dim, config, num_rows)
+
+
 def gmm_push(
     lhs_RK: jax.Array,
     rhs_EKN: jax.Array,
@@ -99,20 +123,13 @@ def gmm_push(
     """[out_rows, N] on each device: `push_rows(gmm(lhs_RK, rhs_EKN, group_sizes_E), meta_3X, ...)`
     (module docstring), lhs's rows grouped by local expert (U = E groups per peer); rhs [E, N, K]
     with `transpose_rhs`. Rows no update targets: zeros (xla), undefined (mgpu)."""
-    from xmoe_jax.kernels import defaults, gmm
+    from xmoe_jax.kernels import gmm
     from xmoe_jax.kernels.gmm import mgpu_ws
 
     impl = _implementation(implementation)
-    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[1 if transpose_rhs else 2]
-    if meta_3X.shape[1] != num_peers * num_groups:
-        raise ValueError(
-            f"gmm_push: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
-        )
-    config = defaults.ws_config(n_dim)
-    # one kernel where the contiguous gmm runs on ws (XMOE_KERNELS=pallas: the GEMM, then the push kernel)
-    fused = impl == "mgpu" and defaults.default_implementation("gmm") == "ws"
-    fused = fused and out_rows % 8 == 0 and lhs_RK.dtype == rhs_EKN.dtype
-    if fused and not mgpu_ws.shape_reason(lhs_RK.dtype, lhs_RK.shape[1], n_dim, config, lhs_RK.shape[0]):
+    num_groups, config = _ws_plan("gmm_push", rhs_EKN, meta_3X, num_peers, transpose_rhs)
+    fused = _fused(impl, lhs_RK, rhs_EKN, config, lhs_RK.shape[0], transpose_rhs) and out_rows % 8 == 0
+    if fused:
         spec = mgpu_ws.PushSpec(axis_name, num_peers, num_groups, out_rows)
         out_MD = mgpu_ws.gmm_ws(
             lhs_RK,
@@ -159,18 +176,12 @@ def push_gmm(
     """(recv_MD, out_MN) on each device: `push_rows(x_ND, meta_3X, ...)` and the grouped GEMM of what
     arrived (module docstring), U = E groups per peer; rhs [E, N, K] with `transpose_rhs`. Rows no
     update targets: zeros (xla), undefined (mgpu); out's rows past sum(group_sizes) are unspecified."""
-    from xmoe_jax.kernels import defaults, gmm
+    from xmoe_jax.kernels import gmm
     from xmoe_jax.kernels.gmm import mgpu_ws
 
     impl = _implementation(implementation)
-    num_groups, n_dim = rhs_EKN.shape[0], rhs_EKN.shape[1 if transpose_rhs else 2]
-    if meta_3X.shape[1] != num_peers * num_groups:
-        raise ValueError(
-            f"push_gmm: meta_3X has {meta_3X.shape[1]} updates, not {num_peers} peers x {num_groups} groups"
-        )
-    config = defaults.ws_config(n_dim)
-    fused = impl == "mgpu" and defaults.default_implementation("gmm") == "ws" and x_ND.dtype == rhs_EKN.dtype
-    if fused and not mgpu_ws.shape_reason(x_ND.dtype, x_ND.shape[1], n_dim, config, out_rows):
+    num_groups, config = _ws_plan("push_gmm", rhs_EKN, meta_3X, num_peers, transpose_rhs)
+    if _fused(impl, x_ND, rhs_EKN, config, out_rows, transpose_rhs):
         spec = mgpu_ws.ArriveSpec(axis_name, num_peers, num_groups, out_rows, push_ctas=arrive_ctas())
         recv_MD, out_MN = mgpu_ws.arrive_gmm_ws(
             x_ND, meta_3X, rhs_EKN, group_sizes_E, arrive=spec, config=config, transpose_rhs=transpose_rhs
