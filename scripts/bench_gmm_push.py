@@ -41,6 +41,7 @@ from xmoe_jax.kernels.push import gmm_push, push_gmm, push_rows
 from xmoe_jax.kernels.push.api import ARRIVE_CTAS_ENV
 from xmoe_jax.moe import layouts
 from xmoe_jax.moe.capacity import expert_positions
+from xmoe_jax.moe.exchange import push_meta
 from xmoe_jax.moe.transports import get
 from xmoe_jax.perf.recorder import Recorder
 from xmoe_jax.perf.timing import environment
@@ -100,7 +101,7 @@ def build(peers: int, shape: dict, num_recv: int, impl: str | None, transpose: b
         lay = layouts.compact(topk_TK, keep_TK, pos_TK, shape["experts"], num_recv, AXIS, peers, push_t)
         gs_L = lay.cc_PL.sum(0).astype(jnp.int32)
         rev = lay.plan.reverse()
-        meta_3X = jnp.stack([rev.input_offsets_P, rev.send_sizes_P, rev.output_offsets_P]).astype(jnp.int32)
+        meta_3X = push_meta(rev)
         sent_A = (
             jnp.zeros((lay.num_send,), bool)
             .at[lay.dest_TK.reshape(-1)]
@@ -150,9 +151,7 @@ def _build_arrive(peers: int, shape: dict, num_recv: int, impl: str | None, tran
         lay = layouts.compact(topk_TK, keep_TK, pos_TK, shape["experts"], num_recv, AXIS, peers, push_t)
         gs_L = lay.cc_PL.sum(0).astype(jnp.int32)
         plan = lay.plan
-        meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(
-            jnp.int32
-        )
+        meta_3X = push_meta(plan)
         grouped_M = jnp.arange(num_recv) < gs_L.sum()
         kw = dict(out_rows=num_recv, axis_name=AXIS, num_peers=peers, max_piece=lay.max_piece)
         x_MD = (

@@ -206,10 +206,15 @@ def move_exact(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) 
     )
 
 
+def push_meta(plan: Plan) -> jax.Array:
+    """int32 [3, X]: the plan as the push kernels take it (per update its start here, rows, start there)."""
+    return jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+
+
 def move_push(x_ND, plan: Plan, out_rows: int, axis_name: str, max_chunk: int) -> jax.Array:
     from xmoe_jax.kernels.push import push_rows  # the kernel's module imports Mosaic GPU
 
-    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    meta_3X = push_meta(plan)
     num_peers = jax.lax.axis_size(axis_name)  # the plan may hold several updates per peer
     out_MD = push_rows(
         x_ND, meta_3X, out_rows=out_rows, axis_name=axis_name, num_peers=num_peers, max_piece=max_chunk
@@ -232,7 +237,7 @@ def move_push_gmm(
     reverse plan). Not differentiable by itself (experts.pushed_experts holds its VJP)."""
     from xmoe_jax.kernels.push import gmm_push  # the kernel's module imports Mosaic GPU
 
-    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    meta_3X = push_meta(plan)
     out_MN = gmm_push(
         lhs_RF, rhs_EFD, group_sizes_E, meta_3X, out_rows=out_rows, axis_name=axis_name,
         num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk, transpose_rhs=transpose_rhs,
@@ -256,7 +261,7 @@ def move_push_arrive(
     itself (experts.pushed_experts holds its VJP)."""
     from xmoe_jax.kernels.push import push_gmm  # the kernel's module imports Mosaic GPU
 
-    meta_3X = jnp.stack([plan.input_offsets_P, plan.send_sizes_P, plan.output_offsets_P]).astype(jnp.int32)
+    meta_3X = push_meta(plan)
     x_MD, out_MN = push_gmm(
         x_ND, rhs_EKN, group_sizes_E, meta_3X, out_rows=out_rows, axis_name=axis_name,
         num_peers=jax.lax.axis_size(axis_name), max_piece=max_chunk, transpose_rhs=transpose_rhs,

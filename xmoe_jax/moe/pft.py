@@ -204,10 +204,8 @@ def pft_stages(
         if fused and fp8_context.recipe_for("experts") is None:
             # the exchanges back to the sources run inside the GEMMs before them (push: under them);
             # the exchange stage ends after the up-projections, which the received rows go straight into
-            arrive = arrive_gmm(transport)
-            ret = Return(
-                lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece, arrive, keeps(EXPERT_HIDDEN)
-            )
+            arrive, keep_hidden = arrive_gmm(transport), keeps(EXPERT_HIDDEN)
+            ret = Return(lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece, arrive, keep_hidden)
             y_send_AD = pushed_experts(x_send_AD, experts, lay.cc_PL.sum(0), spec.activation, lay.plan, ret)
             y_send_AD = tag(y_send_AD, EXCHANGE_OUT)
             yield "exchange", (y_send_AD,)

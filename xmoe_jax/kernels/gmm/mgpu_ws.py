@@ -422,18 +422,19 @@ def _launch(
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     meta_4I = work_items(group_sizes_E, num_rows, config.cta_m)
+    num_ctas = _num_sms()
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
             config=config,
             num_items=meta_4I.shape[1],
-            num_ctas=_num_sms(),
+            num_ctas=num_ctas,
             transpose_rhs=transpose_rhs,
             push=spec.pop("push", None),
             **spec,
         ),
         out_type=out_type,
-        grid=(_num_sms(),),
+        grid=(num_ctas,),
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",

@@ -68,7 +68,8 @@ def push_loop(
     """CTA `cta` of `num_ctas`: its share of every update of `meta_ref` (steps 1 and 2 of the module
     docstring), through its `smem_ref` stages. Without `group_done`, update by update from peer me + 1
     round; with it, group-major (local expert g = x % U to every peer, me + 1 first, then g + 1) and
-    `group_done(g)` after this CTA's copies of group g were issued (arrive.py: the GEMM waits per group)."""
+    `group_done(g)` after this CTA's copies of group g were issued (gmm/mgpu_ws.py's arrive prologue:
+    the GEMM waits per group)."""
     num_updates = num_peers * updates_per_peer
     me = lax.axis_index(axis_name)
 
@@ -129,7 +130,7 @@ def push_loop(
         done = full * rows
         count = rows // 2
         while count >= 1:  # the tail as power-of-two copies, by one CTA (static ladder)
-            take = ((rank if group_done else cta) == tail_rank) & ((tail & count) != 0)
+            take = (rank == tail_rank) & ((tail & count) != 0)
             step = lax.cond(
                 take,
                 functools.partial(lambda c, o, s: tail_copy(src + o, dst + o, peer_out, c, s), count, done),
