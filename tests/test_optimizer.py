@@ -300,3 +300,70 @@ def test_logged_lr_is_the_schedule_without_compiling_anything(kw, caplog):
     assert not [r for r in caplog.records if "ompil" in r.getMessage()]
     assert all(type(v) is float for v in got)
     np.testing.assert_allclose(got, [float(traced(step)) for step in range(total + 3)], rtol=2e-6, atol=1e-12)
+
+
+def test_guarded_update_keeps_the_old_state_unless_allowed_and_finite():
+    """train/optimizer.guarded_update, the train step's guard: a finite allowed step is the plain
+    optax update bit for bit; a NaN learning rate (finite loss and gradients) or `allowed=False`
+    leaves params and moments as they were, and says which."""
+    from xmoe_jax.train.optimizer import guarded_update
+
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)}
+    grads = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)}
+    ocfg = OptimizerConfig(lr=1e-2, warmup_steps=0)
+    opt = make_optimizer(ocfg, 10)
+    state = opt.init(params)
+    yes, no = jnp.ones((), bool), jnp.zeros((), bool)
+
+    new_p, new_o, norm, finite = guarded_update(opt, params, state, grads, yes)
+    updates, plain_o = opt.update(grads, state, params)
+    assert bool(finite) and np.isclose(float(norm), np.linalg.norm(np.asarray(grads["w"])))
+    np.testing.assert_array_equal(new_p["w"], params["w"] + updates["w"])
+    for a, b in zip(jax.tree.leaves(new_o), jax.tree.leaves(plain_o), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    kept_p, kept_o, _, finite = guarded_update(opt, params, state, grads, no)
+    assert bool(finite)  # finite, but not allowed (a dropless step that overflowed its buffers)
+    np.testing.assert_array_equal(kept_p["w"], params["w"])
+
+    bad = OptimizerConfig(lr=1e-2, warmup_steps=0)
+    object.__setattr__(bad, "lr", float("nan"))  # past validation, which refuses it
+    nan_lr = make_optimizer(bad, 10)
+    kept_p, kept_o, _, finite = guarded_update(nan_lr, params, nan_lr.init(params), grads, yes)
+    assert not bool(finite)
+    np.testing.assert_array_equal(kept_p["w"], params["w"])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(kept_o))
+
+
+def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
+    """scripts/bench_optimizer.py on the tiny config: every guard gives the unguarded params bit for
+    bit, each within float32 rounding of a float64 AdamW, and the table reads the JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "opt.json"
+    cmd = [sys.executable, "scripts/bench_optimizer.py", "jax", "--config", str(TINY), "--iters", "1"]
+    proc = subprocess.run(
+        [*cmd, "--copy-mib", "16", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["variants_equal_bit_for_bit"]
+    assert set(rec["rows"]) == {"floor", "unguarded", "step", "state_check", "barrier"}
+    assert all(r["rel_err_vs_float64"] < 1e-6 for name, r in rec["rows"].items() if name != "floor")
+    table = subprocess.run(
+        [sys.executable, "scripts/bench_optimizer.py", "table", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert table.returncode == 0 and "| step |" in table.stdout

@@ -221,6 +221,57 @@ def test_chunked_cross_entropy_equals_full_logits():
             assert rel_err(a, b) < 1e-5
 
 
+def test_chunked_cross_entropy_counts_only_weighted_positions_and_scales_by_the_cotangent():
+    """With 0/1 weights (multi-token prediction) the loss and both gradients equal the masked mean of
+    full logits, under a cotangent that is not 1 (the MTP loss weight)."""
+    kh, kw, kt, km = jax.random.split(jax.random.key(4), 4)
+    h, w = jax.random.normal(kh, (3, 20, 16)), jax.random.normal(kw, (16, 40))
+    t = jax.random.randint(kt, (3, 20), 0, 40)
+    m = (jax.random.uniform(km, (3, 20)) < 0.7).astype(jnp.float32)
+
+    def full(h, w):
+        logp = jax.nn.log_softmax(jnp.einsum("bsd,dv->bsv", h, w), axis=-1)
+        return 0.3 * -(jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0] * m).sum() / m.sum()
+
+    got = jax.value_and_grad(
+        lambda h, w: 0.3 * chunked_cross_entropy(h, w, t, 4, weights_BS=m), argnums=(0, 1)
+    )(h, w)
+    want = jax.value_and_grad(full, argnums=(0, 1))(h, w)
+    assert abs(float(got[0]) - float(want[0])) < 1e-5 * float(want[0])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_chunked_cross_entropy_takes_three_vocab_matmuls_per_chunk_not_four():
+    """The gradient is taken in the forward pass (model/loss.py): the loss and its gradient run the
+    LM head's matmuls three times per chunk (logits, d h, d W), never a fourth to recompute the
+    logits in the backward pass; in bfloat16 the result stays within rounding of float32."""
+    kh, kw, kt = jax.random.split(jax.random.key(5), 3)
+    h, w = jax.random.normal(kh, (2, 16, 8)), jax.random.normal(kw, (8, 24))
+    t = jax.random.randint(kt, (2, 16), 0, 24)
+    grad = jax.value_and_grad(lambda h, w: chunked_cross_entropy(h, w, t, 4), argnums=(0, 1))
+
+    def vocab_dots(jaxpr) -> int:
+        count = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and any(
+                24 in v.aval.shape for v in (*eqn.invars, *eqn.outvars)
+            ):
+                count += 1
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    count += vocab_dots(inner)
+        return count
+
+    assert vocab_dots(jax.make_jaxpr(grad)(h, w).jaxpr) == 3
+    bf16 = grad(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    f32 = grad(h, w)
+    assert abs(float(bf16[0]) - float(f32[0])) < 2e-2 * float(f32[0])
+    for a, b in zip(bf16[1], f32[1], strict=True):
+        assert a.dtype == jnp.bfloat16 and rel_err(a.astype(jnp.float32), b) < 3e-2
+
+
 @pytest.mark.slow  # ~16 s; the chunked loss alone: test_chunked_cross_entropy_*
 def test_model_loss_chunks_agree():
     _close(

@@ -16,7 +16,8 @@ After the optimizer update, the aux-loss-free rule moves each MoE layer's router
 by `bias_update_rate * sign(mean_load - load_e)`, matched to the layer by module path.
 A step whose loss, gradient norm or update is not finite leaves params, bias and
 optimizer state untouched (`finite` = False): a finite loss with a non-finite update (a NaN
-learning rate, an overflowing moment) never reaches the params or a checkpoint. The step runs
+learning rate, an overflowing moment) never reaches the params or a checkpoint
+(`optimizer.guarded_update`). The step runs
 on the mesh it was made for.
 """
 
@@ -26,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax import sharding
@@ -35,6 +35,7 @@ from xmoe_jax.model import functional as fmodel
 from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats, merge_micro
+from xmoe_jax.train.optimizer import guarded_update
 from xmoe_jax.train.state import TrainState
 
 
@@ -59,11 +60,6 @@ def stack_layers(stats: dict[str, MoEStats]) -> MoEStats | None:
     if not stats:
         return None
     return jax.tree.map(lambda *a: jnp.concatenate(a), *(stats[k] for k in sorted(stats)))
-
-
-def _all_finite(tree) -> jax.Array:
-    """Every element of every leaf is finite (no norm: a large finite update must not overflow it)."""
-    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
 def _micro_batches(batch: dict, num_micro: int) -> dict:
@@ -129,23 +125,24 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
         (loss, (ce, aux_loss, z_loss, mtp_loss, stats)), grads = accumulated(state.params, state.bias, batch)
         stacked = stack_layers(stats)
-        with jax.named_scope("optimizer"):  # a name the trace breakdown finds (perf/step_breakdown.py)
-            grad_norm = optax.tree.norm(grads)
-            updates, opt = optimizer.update(grads, state.opt, state.params)
-            params = optax.apply_updates(state.params, updates)
-        bias = update_router_biases(state.bias, stats, bias_rate)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(updates)
         # dropless: a step whose copies did not all fit the buffers is not a step at all (the
         # trainer reruns it with bigger buffers): nothing moves, not even the step count or RNG
         fits = stacked.num_overflow.sum() == 0 if dropless_exchange else jnp.ones((), bool)
+        with jax.named_scope("optimizer"):  # a name the trace breakdown finds (perf/step_breakdown.py)
+            params, opt, grad_norm, update_finite = guarded_update(
+                optimizer, state.params, state.opt, grads, jnp.isfinite(loss) & fits
+            )
+        finite = jnp.isfinite(loss) & update_finite
         ok = finite & fits
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        bias = jax.tree.map(
+            lambda n, o: jnp.where(ok, n, o), update_router_biases(state.bias, stats, bias_rate), state.bias
+        )
         new_rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1))
         new_state = TrainState(
             step=jnp.where(fits, state.step + 1, state.step),
-            params=keep(params, state.params),
-            bias=keep(bias, state.bias),
-            opt=keep(opt, state.opt),
+            params=params,
+            bias=bias,
+            opt=opt,
             rng=jnp.where(fits, new_rng, state.rng),
         )
         metrics = {
