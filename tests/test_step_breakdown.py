@@ -306,6 +306,11 @@ def test_real_h100_traces(tmp_path):
     top_copy = rep["copies"][0][0]
     assert top_copy.startswith("MemcpyD2D: loop_dynamic_slice_fusion @ ") and "while/body" in top_copy
     assert "Device copies by source" in step_report.format_table(rep)
+    # other compute by source (issue 35: every kernel named by where it comes from), summing to its row
+    other = rep["other_compute"]
+    assert other and all(" @ " in src and not src.startswith("Memcpy") for src, _, _ in other)
+    assert sum(m for _, m, _ in other) <= rep["mean"]["ms"]["other_compute"] + 1e-6
+    assert "Other compute by source" in step_report.format_table(rep)
     rep = sb.breakdown(str(_h100("graphs", tmp_path / "b")))
     assert rep["gpus"]["GPU0"]["steps"] == 3 and rep["mean"]["cuda_graph_share"] > 0.9
     assert rep["mean"]["ms"]["attention"] > 0.2 and rep["mean"]["ms"]["optimizer"] > 0

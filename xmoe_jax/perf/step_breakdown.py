@@ -193,7 +193,8 @@ def gpu_breakdown(
     by_kind: dict[str, list[Interval]] = collections.defaultdict(list)
     top: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
     counts: dict[str, collections.Counter] = {c: collections.Counter() for c in KERNEL_ORDER}
-    copies, copy_counts = collections.Counter(), collections.Counter()  # by copy_source
+    copies, copy_counts = collections.Counter(), collections.Counter()  # by source_of
+    other, other_counts = collections.Counter(), collections.Counter()  # other compute, by source_of
     stacked = busy = in_graph = 0.0
     memo: dict[tuple, str] = {}
     for k in plane.kernels:
@@ -207,9 +208,13 @@ def gpu_breakdown(
         if cat == "exchange":
             by_kind[collective_kind(k)].append((k.start, k.end))
         if k.name.startswith("Memcpy"):
-            source = copy_source(k)
+            source = source_of(k)
             copies[source] += k.end - k.start
             copy_counts[source] += 1
+        elif cat == "other_compute":
+            source = source_of(k, depth=5)
+            other[source] += k.end - k.start
+            other_counts[source] += 1
         busy += k.end - k.start
         stacked += (k.end - k.start) if k.stack is not None else 0.0
         in_graph += (k.end - k.start) if k.hlo_op.startswith("command_buffer") else 0.0
@@ -248,15 +253,23 @@ def gpu_breakdown(
             if top[c]
         },
         "copies": [(src, ns * per_step, copy_counts[src] / num_steps) for src, ns in copies.most_common(6)],
+        "other_compute": [
+            (src, ns * per_step, other_counts[src] / num_steps)
+            for src, ns in other.most_common(OTHER_SOURCES)
+        ],
     }
 
 
-def copy_source(k: Kernel) -> str:
-    """Where a device copy (MemcpyD2D/H2D/D2H) comes from: its HLO op without the number and the
-    end of its JAX name stack, e.g. `loop_dynamic_slice_fusion @ jvp()/while/body/...`."""
+OTHER_SOURCES = 10  # the other-compute kernels listed by source
+
+
+def source_of(k: Kernel, depth: int = 3) -> str:
+    """Where a kernel comes from: its name, its HLO op without the number and the last `depth` scopes
+    of its JAX name stack (`eval_jaxpr` left out), e.g. `MemcpyD2D: loop_dynamic_slice_fusion @
+    jvp()/while/body`."""
     op = k.hlo_op.rstrip("0123456789").rstrip(".") or "?"
-    where = "/".join((k.stack or "").split("/")[-3:])
-    return f"{k.name}: {op} @ {where or '?'}"
+    scopes = [s for s in (k.stack or "").split("/") if s and s != "eval_jaxpr"]
+    return f"{k.name}: {op} @ {'/'.join(scopes[-depth:]) or '?'}"
 
 
 # ----------------------------------------------------------------------------- a trace folder
@@ -329,11 +342,7 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
                 count[name] += c / len(rows)
         if ms:
             top[cat] = [[name, m, count[name]] for name, m in ms.most_common(5)]
-    copies_ms, copies_n = collections.Counter(), collections.Counter()
-    for r in rows:
-        for src, m, c in r.get("copies", []):
-            copies_ms[src] += m / len(rows)
-            copies_n[src] += c / len(rows)
+    by_source = {key: _mean_sources(rows, key) for key in ("copies", "other_compute")}
     unidentified = []
     if summary["name_stack_coverage"] == 0:
         unidentified = list(NAME_STACK_CATEGORIES)
@@ -372,6 +381,17 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
         "gpus": gpus,
         "mean": summary,
         "top_kernels": top,
-        "copies": [[src, m, copies_n[src]] for src, m in copies_ms.most_common(6)],
+        "copies": by_source["copies"][:6],
+        "other_compute": by_source["other_compute"],
         "notes": notes,
     }
+
+
+def _mean_sources(rows: list[dict], key: str) -> list[list]:
+    """[source, ms, launches] per step, the mean over GPUs, largest first."""
+    ms, n = collections.Counter(), collections.Counter()
+    for r in rows:
+        for src, m, c in r.get(key, []):
+            ms[src] += m / len(rows)
+            n[src] += c / len(rows)
+    return [[src, m, n[src]] for src, m in ms.most_common()]

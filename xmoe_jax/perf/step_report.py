@@ -55,6 +55,12 @@ def format_table(rep: dict) -> str:
     if rep.get("copies"):
         lines += ["", "Device copies by source (mean per GPU per step: ms, launches; HLO op @ name stack):"]
         lines += [f"- {src[:110]} {m:.2f} ms x{c:.3g}" for src, m, c in rep["copies"]]
+    if rep.get("other_compute"):
+        lines += [
+            "",
+            "Other compute by source (mean per GPU per step: ms, launches; kernel: HLO op @ name stack):",
+        ]
+        lines += [f"- {src[:140]} {m:.2f} ms x{c:.3g}" for src, m, c in rep["other_compute"]]
     lines += [f"Note: {n}" for n in rep["notes"]]
     return "\n".join(lines)
 
