@@ -212,6 +212,11 @@ def main() -> int:
     shape = TINY if args.tiny else SMALL
     peers = jax.device_count()
     on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and peers < 2:  # measured on one H200: results/arrive_1xh200_nvshmem.log
+        raise SystemExit(
+            "bench_gmm_push.py: 1 GPU visible; the push kernels write into peers and need 2+ GPUs of one host "
+            "(with one device XLA routes the peer writes to NVSHMEM, which it does not support here)"
+        )
     impl = None if on_gpu else "xla"
     rec = Recorder(args.out, {**environment(), "shape": shape, "peers": peers})
     rows = []
