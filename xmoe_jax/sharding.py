@@ -199,6 +199,15 @@ def axis_size(mesh: Mesh | None, axes: str | Sequence[str]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes_t]))
 
 
+def logical_size(mesh: Mesh | None, name: str, rules: dict = ACTIVATION_RULES) -> int:
+    """Number of devices a dimension of logical name `name` is split over (1 without a mesh)."""
+    axes = rules.get(name) if mesh is not None else None
+    if axes is None:
+        return 1
+    axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+    return axis_size(mesh, [a for a in axes_t if a in mesh.shape])
+
+
 def named_sharding(
     mesh: Mesh, names: Sequence[str | None], shape: Sequence[int], rules: dict, prefix: bool = False
 ) -> NamedSharding:

@@ -26,6 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from xmoe_jax import sharding
+
 
 def chunk_size(seq_len: int, requested: int) -> int:
     """The largest divisor of seq_len that is at most `requested` (seq_len itself for 0)."""
@@ -43,58 +45,70 @@ def chunked_cross_entropy(h_BSD, w_DV, targets_BS, chunk: int, constrain=None, w
     else:
         weights_BS = jax.lax.stop_gradient(weights_BS.astype(jnp.float32))
         scale_BS = weights_BS / jnp.maximum(jnp.sum(weights_BS), 1.0)
-    return _weighted_ce(h_BSD, w_DV, targets_BS, scale_BS, chunk_size(seq, chunk), constrain)
+    shards = sharding.logical_size(sharding.current_mesh(), "batch") if constrain is not None else 1
+    shards = shards if num_b % shards == 0 else 1
+    return _weighted_ce(h_BSD, w_DV, targets_BS, scale_BS, (chunk_size(seq, chunk), shards), constrain)
 
 
-def _chunks(x_BS, c: int):
-    """[B, S, ...] -> [N, B, C, ...]: the scan's chunks."""
+def _chunks(x_BS, c: int, shards: int):
+    """[B, S, ...] -> [N, P, B/P, C, ...]: the scan's chunks, each over P batch shards."""
     num_b, seq = x_BS.shape[:2]
-    return x_BS.reshape(num_b, seq // c, c, *x_BS.shape[2:]).swapaxes(0, 1)
+    x = x_BS.reshape(shards, num_b // shards, seq // c, c, *x_BS.shape[2:])
+    return jnp.moveaxis(x, 2, 0)
 
 
-def _scan(h_BSD, w_DV, t_BS, scale_BS, c: int, constrain, grads: bool):
-    """(loss, (d h [B,S,D], d W [D,V] float32) if grads) of sum(scale * (logsumexp - target logit))."""
+def _scan(h_BSD, w_DV, t_BS, scale_BS, split: tuple[int, int], constrain, grads: bool):
+    """(loss, (d h [B,S,D], d W [D,V] float32) if grads) of sum(scale * (logsumexp - target logit)).
+
+    P = split[1] is the number of devices the batch is split over. Each carries its own partial loss
+    and d W ([P, ...], split like the batch), so no chunk reduces across devices: the sums over P
+    after the scan are the only reduction (one all-reduce of d W per call, where a [D, V] carry took
+    one per chunk)."""
     num_b, seq, dim = h_BSD.shape
+    c, shards = split
+    names = ("batch", None, None, "vocab")
+    pin = constrain or (lambda x, _: x)
 
     def body(carry, xs):
-        total, dw_DV = carry
-        h_BCD, t_BC, s_BC = xs
-        logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV).astype(jnp.float32)
-        if constrain is not None:
-            logits_BCV = constrain(logits_BCV, ("batch", None, "vocab"))
-        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        target_BC = jnp.take_along_axis(logits_BCV, t_BC[..., None], axis=-1)[..., 0]
-        total = total + jnp.sum((lse_BC - target_BC) * s_BC)
+        total_P, dw_PDV = carry
+        h_PbCD, t_PbC, s_PbC = xs
+        logits = pin(jnp.einsum("pbcd,dv->pbcv", h_PbCD, w_DV).astype(jnp.float32), names)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t_PbC[..., None], axis=-1)[..., 0]
+        total_P = total_P + jnp.sum((lse - target) * s_PbC, axis=(1, 2))
         if not grads:
-            return (total, dw_DV), None
-        p_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
-        onehot_BCV = jax.nn.one_hot(t_BC, logits_BCV.shape[-1], dtype=jnp.float32)
-        d_BCV = ((p_BCV - onehot_BCV) * s_BC[..., None]).astype(h_BCD.dtype)
-        if constrain is not None:
-            d_BCV = constrain(d_BCV, ("batch", None, "vocab"))
-        dh_BCD = jnp.einsum("bcv,dv->bcd", d_BCV, w_DV)
-        dw_DV = dw_DV + jnp.einsum("bcd,bcv->dv", h_BCD, d_BCV, preferred_element_type=jnp.float32)
-        return (total, dw_DV), dh_BCD
+            return (total_P, dw_PDV), None
+        p = jnp.exp(logits - lse[..., None])
+        onehot = jax.nn.one_hot(t_PbC, logits.shape[-1], dtype=jnp.float32)
+        d_PbCV = pin(((p - onehot) * s_PbC[..., None]).astype(h_PbCD.dtype), names)
+        dh_PbCD = jnp.einsum("pbcv,dv->pbcd", d_PbCV, w_DV)
+        if shards == 1:  # one plain GEMM accumulating into the carry
+            dw = jnp.einsum("bcd,bcv->dv", h_PbCD[0], d_PbCV[0], preferred_element_type=jnp.float32)[None]
+        else:
+            dw = jnp.einsum("pbcd,pbcv->pdv", h_PbCD, d_PbCV, preferred_element_type=jnp.float32)
+        return (total_P, pin(dw_PDV + dw, ("batch", None, "vocab"))), dh_PbCD
 
-    dw0 = jnp.zeros(w_DV.shape, jnp.float32) if grads else jnp.zeros((), jnp.float32)
-    xs = (_chunks(h_BSD, c), _chunks(t_BS, c), _chunks(scale_BS, c))
-    (total, dw_DV), dh_NBCD = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), xs)
+    total0 = pin(jnp.zeros((shards,), jnp.float32), ("batch",))
+    dw0 = pin(jnp.zeros((shards, *w_DV.shape), jnp.float32), ("batch", None, "vocab")) if grads else total0
+    xs = (_chunks(h_BSD, c, shards), _chunks(t_BS, c, shards), _chunks(scale_BS, c, shards))
+    (total_P, dw_PDV), dh = jax.lax.scan(body, (total0, dw0), xs)
     if not grads:
-        return total, None
-    return total, (dh_NBCD.swapaxes(0, 1).reshape(num_b, seq, dim), dw_DV)
+        return total_P.sum(), None
+    dh_BSD = jnp.moveaxis(dh, 0, 2).reshape(num_b, seq, dim)  # [N, P, b, C, D] -> [P, b, N, C, D]
+    return total_P.sum(), (dh_BSD, dw_PDV.sum(0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _weighted_ce(h_BSD, w_DV, t_BS, scale_BS, c: int, constrain):
-    return _scan(h_BSD, w_DV, t_BS, scale_BS, c, constrain, grads=False)[0]
+def _weighted_ce(h_BSD, w_DV, t_BS, scale_BS, split: tuple[int, int], constrain):
+    return _scan(h_BSD, w_DV, t_BS, scale_BS, split, constrain, grads=False)[0]
 
 
-def _weighted_ce_fwd(h_BSD, w_DV, t_BS, scale_BS, c, constrain):
-    total, (dh_BSD, dw_DV) = _scan(h_BSD, w_DV, t_BS, scale_BS, c, constrain, grads=True)
+def _weighted_ce_fwd(h_BSD, w_DV, t_BS, scale_BS, split, constrain):
+    total, (dh_BSD, dw_DV) = _scan(h_BSD, w_DV, t_BS, scale_BS, split, constrain, grads=True)
     return total, (dh_BSD, dw_DV, jnp.zeros((), w_DV.dtype))  # d W stays float32 until it is scaled
 
 
-def _weighted_ce_bwd(c, constrain, res, g):
+def _weighted_ce_bwd(split, constrain, res, g):
     dh_BSD, dw_DV, w_dtype = res
     return (g * dh_BSD).astype(dh_BSD.dtype), (g * dw_DV).astype(w_dtype.dtype), None, None
 
