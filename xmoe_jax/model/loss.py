@@ -17,6 +17,12 @@ recomputing each chunk's logits in the backward pass (as a rematerialised chunk 
 four: the LM head's forward ran twice, 18 ms of a 318 ms step of the Small shapes x 4 layers on
 one H200 (benchmarks/train_step.md). As the gradient of a matmul in bfloat16, d logits is rounded
 to the compute dtype before its two matmuls; d W sums its chunks in float32.
+
+Under data or expert parallelism the batch is split over P devices, and a [D, V] sum of d W would
+need an all-reduce inside the chunk loop, one per chunk (as the recomputing backward pass had, in
+the compute dtype). The chunks carry [P, ...] sums instead, split like the batch, so each device
+adds only its own rows; the sums over P after the loop are the one reduction per call
+(`tests/test_scale.py::test_chunked_loss_never_builds_full_logits` reads the compiled program).
 """
 
 from __future__ import annotations
