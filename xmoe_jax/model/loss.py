@@ -57,7 +57,7 @@ def chunked_cross_entropy(h_BSD, w_DV, targets_BS, chunk: int, constrain=None, w
 
 
 def _chunks(x_BS, c: int, shards: int):
-    """[B, S, ...] -> [N, P, B/P, C, ...]: the scan's chunks, each over P batch shards."""
+    """[B, S, ...] -> [N, P, b, C, ...] (b = B/P): the scan's chunks, each over P batch shards."""
     num_b, seq = x_BS.shape[:2]
     x = x_BS.reshape(shards, num_b // shards, seq // c, c, *x_BS.shape[2:])
     return jnp.moveaxis(x, 2, 0)
@@ -78,29 +78,30 @@ def _scan(h_BSD, w_DV, t_BS, scale_BS, split: tuple[int, int], constrain, grads:
     def body(carry, xs):
         total_P, dw_PDV = carry
         h_PbCD, t_PbC, s_PbC = xs
-        logits = pin(jnp.einsum("pbcd,dv->pbcv", h_PbCD, w_DV).astype(jnp.float32), names)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target = jnp.take_along_axis(logits, t_PbC[..., None], axis=-1)[..., 0]
-        total_P = total_P + jnp.sum((lse - target) * s_PbC, axis=(1, 2))
+        logits_PbCV = pin(jnp.einsum("pbcd,dv->pbcv", h_PbCD, w_DV).astype(jnp.float32), names)
+        lse_PbC = jax.nn.logsumexp(logits_PbCV, axis=-1)
+        target_PbC = jnp.take_along_axis(logits_PbCV, t_PbC[..., None], axis=-1)[..., 0]
+        total_P = total_P + jnp.sum((lse_PbC - target_PbC) * s_PbC, axis=(1, 2))
         if not grads:
             return (total_P, dw_PDV), None
-        p = jnp.exp(logits - lse[..., None])
-        onehot = jax.nn.one_hot(t_PbC, logits.shape[-1], dtype=jnp.float32)
-        d_PbCV = pin(((p - onehot) * s_PbC[..., None]).astype(h_PbCD.dtype), names)
+        p_PbCV = jnp.exp(logits_PbCV - lse_PbC[..., None])
+        onehot_PbCV = jax.nn.one_hot(t_PbC, logits_PbCV.shape[-1], dtype=jnp.float32)
+        d_PbCV = pin(((p_PbCV - onehot_PbCV) * s_PbC[..., None]).astype(h_PbCD.dtype), names)
         dh_PbCD = jnp.einsum("pbcv,dv->pbcd", d_PbCV, w_DV)
+        f32 = jnp.float32
         if shards == 1:  # one plain GEMM accumulating into the carry
-            dw = jnp.einsum("bcd,bcv->dv", h_PbCD[0], d_PbCV[0], preferred_element_type=jnp.float32)[None]
+            chunk_PDV = jnp.einsum("bcd,bcv->dv", h_PbCD[0], d_PbCV[0], preferred_element_type=f32)[None]
         else:
-            dw = jnp.einsum("pbcd,pbcv->pdv", h_PbCD, d_PbCV, preferred_element_type=jnp.float32)
-        return (total_P, pin(dw_PDV + dw, ("batch", None, "vocab"))), dh_PbCD
+            chunk_PDV = jnp.einsum("pbcd,pbcv->pdv", h_PbCD, d_PbCV, preferred_element_type=f32)
+        return (total_P, pin(dw_PDV + chunk_PDV, ("batch", None, "vocab"))), dh_PbCD
 
     total0 = pin(jnp.zeros((shards,), jnp.float32), ("batch",))
     dw0 = pin(jnp.zeros((shards, *w_DV.shape), jnp.float32), ("batch", None, "vocab")) if grads else total0
     xs = (_chunks(h_BSD, c, shards), _chunks(t_BS, c, shards), _chunks(scale_BS, c, shards))
-    (total_P, dw_PDV), dh = jax.lax.scan(body, (total0, dw0), xs)
+    (total_P, dw_PDV), dh_NPbCD = jax.lax.scan(body, (total0, dw0), xs)
     if not grads:
         return total_P.sum(), None
-    dh_BSD = jnp.moveaxis(dh, 0, 2).reshape(num_b, seq, dim)  # [N, P, b, C, D] -> [P, b, N, C, D]
+    dh_BSD = jnp.moveaxis(dh_NPbCD, 0, 2).reshape(num_b, seq, dim)  # via [P, b, N, C, D]
     return total_P.sum(), (dh_BSD, dw_PDV.sum(0))
 
 
