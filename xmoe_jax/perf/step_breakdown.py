@@ -382,7 +382,7 @@ def _summarise(gpus: dict, module: str | None, notes: list[str]) -> dict:
         "mean": summary,
         "top_kernels": top,
         "copies": by_source["copies"][:6],
-        "other_compute": by_source["other_compute"],
+        "other_compute": by_source["other_compute"][:OTHER_SOURCES],
         "notes": notes,
     }
 
