@@ -3,8 +3,12 @@ multi-step trajectory against an independent NumPy AdamW; bfloat16 moments."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,7 @@ import pytest
 
 from xmoe_jax.config import OptimizerConfig, load_config
 from xmoe_jax.model import functional as fmodel
-from xmoe_jax.train.optimizer import decay_mask, make_optimizer
+from xmoe_jax.train.optimizer import decay_mask, guarded_update, make_optimizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -306,8 +310,6 @@ def test_guarded_update_keeps_the_old_state_unless_allowed_and_finite():
     """train/optimizer.guarded_update, the train step's guard: a finite allowed step is the plain
     optax update bit for bit; a NaN learning rate (finite loss and gradients) or `allowed=False`
     leaves params and moments as they were, and says which."""
-    from xmoe_jax.train.optimizer import guarded_update
-
     params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)}
     grads = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)}
     ocfg = OptimizerConfig(lr=1e-2, warmup_steps=0)
@@ -338,11 +340,6 @@ def test_guarded_update_keeps_the_old_state_unless_allowed_and_finite():
 def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
     """scripts/bench_optimizer.py on the tiny config: every guard gives the unguarded params bit for
     bit, each within float32 rounding of a float64 AdamW, and the table reads the JSON."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "opt.json"
     cmd = [sys.executable, "scripts/bench_optimizer.py", "jax", "--config", str(TINY), "--iters", "1"]
