@@ -13,7 +13,9 @@ optimizer.grad_clip. Rows, time per step (the median of --iters donated steps, b
                the gradient for its norm, then read param, gradient and both moments and write param
                and moments once (float32; 2 bytes less per moment with optimizer.state_dtype=bfloat16)
   unguarded    the update applied with no finiteness check: what XLA makes of AdamW alone
-  step         `optimizer.guarded_update`, the train step's guard: the updates checked, then kept
+  step         `optimizer.guarded_update`, the train step's guard: the gradient norm and a bound on
+               every update (`optimizer.update_bound`), scalars known before the update pass
+  update_check the guard before it: every update checked for finiteness, then kept
   state_check  a guard on the new state (params and moments) instead, as XLA plans it
   barrier      state_check with the check recomputed behind an optimization barrier (a read-only pass)
   torch        torch.optim.AdamW(fused=True) after clip_grad_norm_(foreach=True), no check (torch mode)
@@ -106,9 +108,19 @@ def bench_jax(args) -> dict:
         u, o = opt.update(grads, o, p)
         return optax.apply_updates(p, u), o
 
+    bound = topt.update_bound(cfg.optimizer, cfg.train.steps)
+
     def step(state, grads):  # what the train step runs
-        p, o, *_ = topt.guarded_update(opt, *state, grads, allowed)
+        p, o, *_ = topt.guarded_update(opt, *state, grads, allowed, bound)
         return p, o
+
+    def update_check(state, grads):  # the step's guard before update_bound: every update checked
+        p, o = state
+        norm = optax.tree.norm(grads)
+        u, o_new = opt.update(grads, o, p)
+        ok = allowed & jnp.isfinite(norm) & topt.all_finite(u)
+        keep = lambda n, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, old)  # noqa: E731
+        return keep(optax.apply_updates(p, u), p), keep(o_new, o)
 
     def state_check(state, grads):  # the guard on the new state, without the barrier: XLA's own plan
         p, o = state
@@ -129,7 +141,13 @@ def bench_jax(args) -> dict:
         keep = lambda n, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, old)  # noqa: E731
         return keep(optax.apply_updates(p, u), p), keep(o_new, o)
 
-    variants = {"unguarded": unguarded, "step": step, "state_check": state_check, "barrier": barrier}
+    variants = {
+        "unguarded": unguarded,
+        "step": step,
+        "update_check": update_check,
+        "state_check": state_check,
+        "barrier": barrier,
+    }
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     copy = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
@@ -279,7 +297,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--variants",
         default="",
-        help="jax: a comma list of unguarded,step,state_check,barrier (default all)",
+        help="jax: a comma list of unguarded,step,update_check,state_check,barrier (default all)",
     )
     p.add_argument("--out", default="")
     args = p.parse_args(argv)

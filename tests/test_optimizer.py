@@ -13,11 +13,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from xmoe_jax.config import OptimizerConfig, load_config
 from xmoe_jax.model import functional as fmodel
-from xmoe_jax.train.optimizer import decay_mask, guarded_update, make_optimizer
+from xmoe_jax.train.optimizer import all_finite, decay_mask, guarded_update, make_optimizer, update_bound
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -308,33 +309,90 @@ def test_logged_lr_is_the_schedule_without_compiling_anything(kw, caplog):
 
 def test_guarded_update_keeps_the_old_state_unless_allowed_and_finite():
     """train/optimizer.guarded_update, the train step's guard: a finite allowed step is the plain
-    optax update bit for bit; a NaN learning rate (finite loss and gradients) or `allowed=False`
-    leaves params and moments as they were, and says which."""
+    optax update bit for bit; a NaN learning rate (finite loss and gradients), a NaN gradient or
+    `allowed=False` leaves params and moments as they were, and says which."""
     params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)}
     grads = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)}
     ocfg = OptimizerConfig(lr=1e-2, warmup_steps=0)
-    opt = make_optimizer(ocfg, 10)
+    opt, bound = make_optimizer(ocfg, 10), update_bound(ocfg, 10)
     state = opt.init(params)
     yes, no = jnp.ones((), bool), jnp.zeros((), bool)
 
-    new_p, new_o, norm, finite = guarded_update(opt, params, state, grads, yes)
+    new_p, new_o, norm, finite = guarded_update(opt, params, state, grads, yes, bound)
     updates, plain_o = opt.update(grads, state, params)
     assert bool(finite) and np.isclose(float(norm), np.linalg.norm(np.asarray(grads["w"])))
     np.testing.assert_array_equal(new_p["w"], params["w"] + updates["w"])
     for a, b in zip(jax.tree.leaves(new_o), jax.tree.leaves(plain_o), strict=True):
         np.testing.assert_array_equal(a, b)
 
-    kept_p, kept_o, _, finite = guarded_update(opt, params, state, grads, no)
+    kept_p, kept_o, _, finite = guarded_update(opt, params, state, grads, no, bound)
     assert bool(finite)  # finite, but not allowed (a dropless step that overflowed its buffers)
+    np.testing.assert_array_equal(kept_p["w"], params["w"])
+
+    nan_grads = {"w": grads["w"].at[1, 2].set(jnp.nan)}
+    kept_p, _, _, finite = guarded_update(opt, params, state, nan_grads, yes, bound)
+    assert not bool(finite)
     np.testing.assert_array_equal(kept_p["w"], params["w"])
 
     bad = OptimizerConfig(lr=1e-2, warmup_steps=0)
     object.__setattr__(bad, "lr", float("nan"))  # past validation, which refuses it
     nan_lr = make_optimizer(bad, 10)
-    kept_p, kept_o, _, finite = guarded_update(nan_lr, params, nan_lr.init(params), grads, yes)
+    kept_p, kept_o, _, finite = guarded_update(
+        nan_lr, params, nan_lr.init(params), grads, yes, update_bound(bad, 10)
+    )
     assert not bool(finite)
     np.testing.assert_array_equal(kept_p["w"], params["w"])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(kept_o))
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_update_bound_holds_for_gradients_of_any_size(clip):
+    """optimizer.update_bound: over steps with gradients from 1e-30 to 1e17 (NumPy float64 AdamW
+    beside it), no float32 update is larger than the bound, the moments stay finite, and a
+    gradient the moments cannot hold (norm above GRAD_CAP without clipping) is refused."""
+    ocfg = OptimizerConfig(lr=1e-2, warmup_steps=2, grad_clip=clip, weight_decay=0.0, eps=1e-8)
+    opt, bound = make_optimizer(ocfg, 12), update_bound(ocfg, 12)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64,)), jnp.float32)}
+    state, yes = opt.init(params), jnp.ones((), bool)
+    for scale in [1e17, 1e-30, 1e-30, 1.0, 1e12, 1e-20, 1e-30, 1e3, 1e-30, 1e-30]:
+        grads = {"w": jnp.asarray(rng.normal(size=(64,)) * scale, jnp.float32)}
+        limit = float(bound(state, optax.tree.norm(grads)))
+        new_p, state, _, finite = guarded_update(opt, params, state, grads, yes, bound)
+        assert bool(finite) and np.isfinite(limit)
+        step = np.abs(np.asarray(new_p["w"], np.float64) - np.asarray(params["w"], np.float64)).max()
+        assert step <= limit * (1 + 1e-6), (scale, step, limit)
+        assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree.leaves(state))
+        params = new_p
+    huge = {"w": jnp.full((64,), 1e18, jnp.float32)}  # norm 8e18, above GRAD_CAP
+    kept_p, _, _, finite = guarded_update(opt, params, state, huge, yes, bound)
+    assert bool(finite) == (clip is not None)  # clipped to norm 1 it is an ordinary step
+    assert np.isfinite(np.asarray(kept_p["w"])).all()
+
+
+def test_the_guard_reads_no_parameter_or_moment_before_the_update():
+    """The guard's verdict is a function of the gradients and the step count alone, so XLA can fuse
+    the keep into the update's one pass (benchmarks/optimizer.md: 32 bytes per parameter, where the
+    guard that checked every update took 56). Compiled on its own, `finite` reads the gradients once;
+    the update check it replaced read params and both moments too."""
+    params = {"w": jnp.ones((256, 256), jnp.float32), "v": jnp.ones((4096,), jnp.float32)}
+    grads = jax.tree.map(lambda p: p * 1e-3, params)
+    ocfg = OptimizerConfig(lr=1e-2, warmup_steps=0)
+    opt, bound = make_optimizer(ocfg, 10), update_bound(ocfg, 10)
+    state, yes = opt.init(params), jnp.ones((), bool)
+    grad_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+
+    def bytes_read(fn):
+        cost = jax.jit(fn).lower(params, state, grads).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+    guard = bytes_read(lambda p, o, g: guarded_update(opt, p, o, g, yes, bound)[3])
+
+    def update_check(p, o, g):
+        u, _ = opt.update(g, o, p)
+        return jnp.isfinite(optax.tree.norm(g)) & all_finite(u)
+
+    assert guard < 1.5 * grad_bytes < 2 * grad_bytes < bytes_read(update_check)
 
 
 def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
@@ -354,7 +412,7 @@ def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["variants_equal_bit_for_bit"]
-    assert set(rec["rows"]) == {"floor", "unguarded", "step", "state_check", "barrier"}
+    assert set(rec["rows"]) == {"floor", "unguarded", "step", "update_check", "state_check", "barrier"}
     assert all(r["rel_err_vs_float64"] < 1e-6 for name, r in rec["rows"].items() if name != "floor")
     table = subprocess.run(
         [sys.executable, "scripts/bench_optimizer.py", "table", str(out)],

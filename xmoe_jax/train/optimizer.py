@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from xmoe_jax.config import OptimizerConfig
@@ -138,19 +139,60 @@ def all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
-def guarded_update(optimizer: optax.GradientTransformation, params, opt, grads, allowed: jax.Array):
+# |g_i| <= GRAD_CAP for every applied gradient: both moments then stay finite (v <= 1e36)
+GRAD_CAP = 1e18
+# updates below this leave params (|p| of order 1, never near 3.4e38) finite, with margin
+UPDATE_LIMIT = float(np.finfo(np.float32).max) / 16
+
+
+def update_bound(cfg: OptimizerConfig, total_steps: int) -> Callable[[object, jax.Array], jax.Array]:
+    """f(opt_state, grad_norm) -> a bound on every |update| this step can make (a float32 scalar);
+    inf where the gradient may not be applied: its norm (after clipping) is above GRAD_CAP, or NaN.
+
+    Why it holds: every applied gradient has |g_i| <= its clipped global norm <= G, with G =
+    min(grad_clip, GRAD_CAP) (GRAD_CAP without clipping). The moments start at zero and are convex
+    mixes, so |m_i| <= G and v_i <= G^2 at every step; with the bias corrections 1 - b^t,
+    |m_hat| <= G / (1 - b1), and |m_hat| / (sqrt(v_hat) + eps) <= G / ((1 - b1) eps). The step's
+    learning rate (the schedule at the optimizer's count: a NaN one makes the bound NaN) multiplies
+    it. Weight decay adds lr * wd * |p|, which cannot leave float32's range for finite params."""
+    schedule = lr_schedule(cfg, total_steps)
+    clip = cfg.grad_clip
+    cap = min(clip, GRAD_CAP) if clip is not None else GRAD_CAP
+
+    def bound(opt, grad_norm: jax.Array) -> jax.Array:
+        counts = [
+            s.count
+            for s in jax.tree.leaves(opt, is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+            if isinstance(s, optax.ScaleByScheduleState)
+        ]
+        if len(counts) != 1:
+            raise ValueError(
+                f"update_bound: expected one learning-rate schedule in the optimizer state, found {len(counts)}"
+            )
+        norm = grad_norm.astype(jnp.float32)
+        applied = jnp.minimum(norm, clip) if clip is not None else norm  # NaN stays NaN
+        lr = schedule(counts[0]).astype(jnp.float32)
+        return jnp.where(applied <= GRAD_CAP, lr * cap / ((1 - cfg.b1) * cfg.eps), jnp.inf)
+
+    return bound
+
+
+def guarded_update(
+    optimizer: optax.GradientTransformation, params, opt, grads, allowed: jax.Array, bound
+) -> tuple:
     """One optimizer step, kept only where it is allowed and finite: (params, opt, grad_norm, finite).
 
-    `finite`: the gradient norm and every update are finite. The new params and moments replace the
-    old ones where `allowed & finite`, else the old ones stay. The check is a global reduction, so the
-    keep waits for it: XLA writes the updates out, reads them for the check and again for the keep,
-    56 bytes per float32 parameter against the unguarded update's 32 (scripts/bench_optimizer.py,
-    benchmarks/optimizer.md, which also measures the alternatives that were not adopted).
+    `finite`: the gradient norm is finite and `bound` (`update_bound` of the optimizer's config) says
+    no update can leave float32's range. The new params and moments replace the old ones where
+    `allowed & finite`, else the old ones stay. Both are scalars known before the update pass, so
+    XLA fuses the keep into that pass: 32 bytes per float32 parameter, as the unguarded update. A
+    check of the updates themselves (the guard before) cannot start writing before a full read
+    pass: 56 bytes per parameter, 1.7x the time (scripts/bench_optimizer.py, benchmarks/optimizer.md).
     """
     grad_norm = optax.tree.norm(grads)
     updates, new_opt = optimizer.update(grads, opt, params)
     new_params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(grad_norm) & all_finite(updates)
+    finite = jnp.isfinite(grad_norm) & (bound(opt, grad_norm) < UPDATE_LIMIT)
     ok = allowed & finite
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
     return keep(new_params, params), keep(new_opt, opt), grad_norm, finite

@@ -14,10 +14,10 @@ Megatron and X-MoE do); the router-bias update uses the whole step's loads.
 
 After the optimizer update, the aux-loss-free rule moves each MoE layer's router bias
 by `bias_update_rate * sign(mean_load - load_e)`, matched to the layer by module path.
-A step whose loss, gradient norm or update is not finite leaves params, bias and
-optimizer state untouched (`finite` = False): a finite loss with a non-finite update (a NaN
-learning rate, an overflowing moment) never reaches the params or a checkpoint
-(`optimizer.guarded_update`). The step runs
+A step whose loss or gradient norm is not finite, or whose update could leave float32's range
+(`optimizer.update_bound`: a NaN learning rate, a gradient too large for the moments), leaves
+params, bias and optimizer state untouched (`finite` = False); nothing non-finite reaches the
+params or a checkpoint (`optimizer.guarded_update`). The step runs
 on the mesh it was made for.
 """
 
@@ -35,7 +35,7 @@ from xmoe_jax.model import functional as fmodel
 from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats, merge_micro
-from xmoe_jax.train.optimizer import guarded_update
+from xmoe_jax.train.optimizer import guarded_update, update_bound
 from xmoe_jax.train.state import TrainState
 
 
@@ -90,6 +90,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
     micro = cfg.train.micro_batch_size
     num_micro = cfg.train.batch_size // micro if micro else 1
     accum = jnp.dtype(cfg.train.grad_accum_dtype)  # the micro-batches' gradient sum
+    bound = update_bound(cfg.optimizer, cfg.train.steps)  # the optimizer's own (train/state.build)
 
     def loss_fn(params, bias, batch):
         ce, mtp, stats = fmodel.loss_terms(spec, params, bias, batch["inputs"], batch["targets"])
@@ -130,7 +131,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
         fits = stacked.num_overflow.sum() == 0 if dropless_exchange else jnp.ones((), bool)
         with jax.named_scope("optimizer"):  # a name the trace breakdown finds (perf/step_breakdown.py)
             params, opt, grad_norm, update_finite = guarded_update(
-                optimizer, state.params, state.opt, grads, jnp.isfinite(loss) & fits
+                optimizer, state.params, state.opt, grads, jnp.isfinite(loss) & fits, bound
             )
         finite = jnp.isfinite(loss) & update_finite
         ok = finite & fits
