@@ -16,8 +16,7 @@ training loss). That is three matmuls per chunk, as a plain forward and backward
 recomputing each chunk's logits in the backward pass (as a rematerialised chunk would) takes
 four: the LM head's forward ran twice, 18 ms of a 318 ms step of the Small shapes x 4 layers on
 one H200 (benchmarks/train_step.md). As the gradient of a matmul in bfloat16, d logits is rounded
-to the compute dtype before its two matmuls; d W sums its chunks in float32. Each chunk's
-logsumexp reads its logits once (`online_logsumexp`), where jax.nn.logsumexp reads them twice.
+to the compute dtype before its two matmuls; d W sums its chunks in float32.
 
 Under data or expert parallelism the batch is split over P devices, and a [D, V] sum of d W would
 need an all-reduce inside the chunk loop, one per chunk (as the recomputing backward pass had, in
@@ -57,22 +56,6 @@ def chunked_cross_entropy(h_BSD, w_DV, targets_BS, chunk: int, constrain=None, w
     return _weighted_ce(h_BSD, w_DV, targets_BS, scale_BS, (chunk_size(seq, chunk), shards), constrain)
 
 
-def online_logsumexp(x):
-    """logsumexp over the last axis in one pass over x: a reduction of (running max, sum of exp(x -
-    max)) pairs, where jax.nn.logsumexp reads x twice (its max, then the sum). Not differentiable
-    (lax.reduce with a custom combiner): the loss's custom VJP never differentiates through it."""
-    lowest = jnp.asarray(jnp.finfo(x.dtype).min, x.dtype)  # not -inf: exp(-inf - -inf) is NaN
-
-    def combine(a, b):
-        (max_a, sum_a), (max_b, sum_b) = a, b
-        top = jnp.maximum(max_a, max_b)
-        return top, sum_a * jnp.exp(max_a - top) + sum_b * jnp.exp(max_b - top)
-
-    init = (lowest, jnp.zeros((), x.dtype))
-    top, total = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
-    return top + jnp.log(total)
-
-
 def _chunks(x_BS, c: int, shards: int):
     """[B, S, ...] -> [N, P, b, C, ...] (b = B/P): the scan's chunks, each over P batch shards."""
     num_b, seq = x_BS.shape[:2]
@@ -96,7 +79,7 @@ def _scan(h_BSD, w_DV, t_BS, scale_BS, split: tuple[int, int], constrain, grads:
         total_P, dw_PDV = carry
         h_PbCD, t_PbC, s_PbC = xs
         logits_PbCV = pin(jnp.einsum("pbcd,dv->pbcv", h_PbCD, w_DV).astype(jnp.float32), names)
-        lse_PbC = online_logsumexp(logits_PbCV)
+        lse_PbC = jax.nn.logsumexp(logits_PbCV, axis=-1)
         target_PbC = jnp.take_along_axis(logits_PbCV, t_PbC[..., None], axis=-1)[..., 0]
         total_P = total_P + jnp.sum((lse_PbC - target_PbC) * s_PbC, axis=(1, 2))
         if not grads:
