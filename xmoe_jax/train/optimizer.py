@@ -184,15 +184,20 @@ def guarded_update(
 
     `finite`: the gradient norm is finite and `bound` (`update_bound` of the optimizer's config) says
     no update can leave float32's range. The new params and moments replace the old ones where
-    `allowed & finite`, else the old ones stay. Both are scalars known before the update pass, so
-    XLA fuses the keep into that pass: 32 bytes per float32 parameter, as the unguarded update. A
-    check of the updates themselves (the guard before) cannot start writing before a full read
-    pass: 56 bytes per parameter, 1.7x the time (scripts/bench_optimizer.py, benchmarks/optimizer.md).
+    `allowed & finite`, else the old ones stay. Both are scalars known before the update, so the
+    keep is a branch (`lax.cond`) around the plain update, which XLA fuses as it does unguarded: 32
+    bytes per float32 parameter. A check of the updates themselves (the guard before) cannot start
+    writing before a full read pass: 56 bytes per parameter, 1.7x the time. A per-element select
+    of new against old (`jnp.where`) made XLA copy both moments first in the train step, since the
+    params' update re-reads the old moments the select overwrites (benchmarks/optimizer.md).
     """
     grad_norm = optax.tree.norm(grads)
-    updates, new_opt = optimizer.update(grads, opt, params)
-    new_params = optax.apply_updates(params, updates)
     finite = jnp.isfinite(grad_norm) & (bound(opt, grad_norm) < UPDATE_LIMIT)
-    ok = allowed & finite
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-    return keep(new_params, params), keep(new_opt, opt), grad_norm, finite
+
+    def apply(args):
+        p, o, g = args
+        updates, new_o = optimizer.update(g, o, p)
+        return optax.apply_updates(p, updates), new_o
+
+    new_params, new_opt = jax.lax.cond(allowed & finite, apply, lambda args: args[:2], (params, opt, grads))
+    return new_params, new_opt, grad_norm, finite
