@@ -131,7 +131,24 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     )
     if cfg.grad_clip is None:
         return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return optax.chain(clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm, the same arithmetic and state, that takes the norm when given
+    (`update(..., grad_norm=n)`): the step's guard has computed it already, and inside the guard's
+    branch XLA cannot reuse it, so optax's own would read every gradient a second time (4 bytes
+    per parameter, benchmarks/optimizer.md)."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(
+            lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates
+        ), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def all_finite(tree) -> jax.Array:
@@ -185,8 +202,9 @@ def guarded_update(
     `finite`: the gradient norm is finite and `bound` (`update_bound` of the optimizer's config) says
     no update can leave float32's range. The new params and moments replace the old ones where
     `allowed & finite`, else the old ones stay. Both are scalars known before the update, so the
-    keep is a branch (`lax.cond`) around the plain update, which XLA fuses as it does unguarded: 32
-    bytes per float32 parameter. A check of the updates themselves (the guard before) cannot start
+    keep is a branch (`lax.cond`) around the plain update, which XLA fuses as it does unguarded; the
+    clipping in the branch takes the norm computed here (`clip_by_global_norm`), so the gradients
+    are read once for it: 32 bytes per float32 parameter in all. A check of the updates themselves (the guard before) cannot start
     writing before a full read pass: 56 bytes per parameter, 1.7x the time. A per-element select
     of new against old (`jnp.where`) made XLA copy both moments first in the train step, since the
     params' update re-reads the old moments the select overwrites (benchmarks/optimizer.md).
@@ -196,7 +214,7 @@ def guarded_update(
 
     def apply(args):
         p, o, g = args
-        updates, new_o = optimizer.update(g, o, p)
+        updates, new_o = optimizer.update(g, o, p, grad_norm=grad_norm)
         return optax.apply_updates(p, updates), new_o
 
     new_params, new_opt = jax.lax.cond(allowed & finite, apply, lambda args: args[:2], (params, opt, grads))
