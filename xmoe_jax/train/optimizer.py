@@ -204,10 +204,11 @@ def guarded_update(
     `allowed & finite`, else the old ones stay. Both are scalars known before the update, so the
     keep is a branch (`lax.cond`) around the plain update, which XLA fuses as it does unguarded; the
     clipping in the branch takes the norm computed here (`clip_by_global_norm`), so the gradients
-    are read once for it: 32 bytes per float32 parameter in all. A check of the updates themselves (the guard before) cannot start
-    writing before a full read pass: 56 bytes per parameter, 1.7x the time. A per-element select
-    of new against old (`jnp.where`) made XLA copy both moments first in the train step, since the
-    params' update re-reads the old moments the select overwrites (benchmarks/optimizer.md).
+    are read once for it: 32 bytes per float32 parameter in all. A check of the updates themselves
+    (the guard before) cannot start writing before a full read pass: 56 bytes per parameter, 1.7x
+    the time. A per-element select of new against old (`jnp.where`) made XLA copy both moments
+    first in the train step, since the params' update re-reads the old moments the select
+    overwrites (benchmarks/optimizer.md).
     """
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & (bound(opt, grad_norm) < UPDATE_LIMIT)
