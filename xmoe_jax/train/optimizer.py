@@ -151,11 +151,6 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-def all_finite(tree) -> jax.Array:
-    """Every element of every leaf is finite (no norm: a large finite value must not overflow it)."""
-    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
-
-
 # |g_i| <= GRAD_CAP for every applied gradient: both moments then stay finite (v <= 1e36)
 GRAD_CAP = 1e18
 # updates below this leave params (|p| of order 1, never near 3.4e38) finite, with margin
