@@ -17,6 +17,12 @@
 # save_exchange, force-balanced router, $DEPTH_STEPS (25) steps with command buffers off so every kernel keeps
 # its name, a trace of steps 18-19 read by scripts/step_breakdown.py (shares, and device copies by source) and
 # scripts/kernel_overlap.py: the code before (.old/, bucketed) and this tree ($DEPTH_TRANSPORT, push).
+#
+# PART=ab (one GPU, about 5 minutes): an environment switch against the default on the one-GPU train step
+# (configs/tiny_small_shape.yaml, $AB_STEPS (20) steps, last window): AB_ENV="VAR=value ...; VAR=value ..."
+# (variants switch1, switch2, ... split at ';'; default XMOE_GMM_GATHER=xla, benchmarks/train_step.md), all
+# alternating twice in one call, then one traced run of each (steps 16-17, command buffers off, read by
+# scripts/step_breakdown.py; AB_TRACE=0 skips them). Every JSON, log and report in $OUT/ab.tgz.
 set -u
 source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-15}
@@ -37,6 +43,40 @@ if [ "${PART:-one}" = depth ]; then
   depth depth_after . "${DEPTH_TRANSPORT:-push}"
   cat "$OUT/steps.txt"; python3 scripts/gpu_summary.py "$OUT" 2>&1 | tail -4
   for f in "$OUT"/*.breakdown.md; do echo "== $f"; head -40 "$f"; done
+  exit 0
+fi
+if [ "${PART:-one}" = ab ]; then
+  IFS=';' read -ra variants <<< "${AB_ENV:-XMOE_GMM_GATHER=xla}"
+  ab_step() {  # name env... : the one-GPU train step with env (none: the default) exported
+    local name=$1; shift
+    ([ $# -eq 0 ] || export "$@"; train_step "$name" 180 "${AB_STEPS:-20}" configs/tiny_small_shape.yaml --set train.tensorboard=false \
+      ${AB_RUN_ARGS:-})
+  }
+  for round in a b; do
+    ab_step "default_$round"
+    for i in "${!variants[@]}"; do
+      # shellcheck disable=SC2086  # a variant is a list of assignments
+      ab_step "switch$((i + 1))_$round" ${variants[$i]}
+    done
+  done
+  if [ "${AB_TRACE:-1}" = 1 ]; then
+    for i in $(seq 0 "${#variants[@]}"); do  # 0: the default, i: variant i
+      name=default env_args=()
+      [ "$i" = 0 ] || { read -ra env_args <<< "${variants[$((i - 1))]}"; name=switch$i; }
+      rm -rf "/tmp/ab_$name"
+      AB_RUN_ARGS="--run-dir /tmp/ab_$name --set train.profile_steps=[16,17]" \
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" ab_step "${name}_traced" "${env_args[@]}"
+      read_trace "/tmp/ab_$name/profile" "$OUT/${name}_traced"
+    done
+  fi
+  for i in "${!variants[@]}"; do echo "switch$((i + 1)): ${variants[$i]}"; done
+  python3 scripts/gpu_summary.py "$OUT" 2>&1 | tail -12
+  for f in "$OUT"/*.breakdown.md; do
+    [ -f "$f" ] && echo "== $f" && sed -n '/^| category/,/^$/p;/^Largest/,/^Device/p' "$f"
+  done
+  # shellcheck disable=SC2046  # the run's files, by name
+  (cd "$OUT" && tar -czf ab.tgz $(ls ./*.json ./*.md ./*.log ./*.txt 2>/dev/null) &&
+    find . -maxdepth 1 -type f ! -name ab.tgz -delete)
   exit 0
 fi
 step gather_gmm 240 python3 scripts/bench_gather_gmm.py ${GATHER_ARGS:-} --out "$OUT/gather_gmm.json"

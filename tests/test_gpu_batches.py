@@ -89,6 +89,7 @@ DRY_RUNS = [
     ),
     ("gpu_bench_fused.sh", [], {"GATHER_ARGS": "--tiny", "PEERS_ROWS": "xmoe_none"}, {}),
     ("gpu_bench_fused.sh", ["depth"], {"PART": "depth", "DEPTH_TRANSPORT": "bucketed"}, {}),
+    ("gpu_bench_fused.sh", ["ab"], {"PART": "ab", "AB_ENV": "XMOE_GMM_GATHER=xla;XMOE_TGMM_GATHER=kernel"}, {}),
 ]  # fmt: skip
 
 

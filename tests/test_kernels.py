@@ -518,16 +518,53 @@ def indexed_tgmm_fns(impl):
     return jax.jit(ours), jax.jit(ref), grads(ours), grads(ref)
 
 
-def test_the_tgmm_gather_override_names_one_way_or_is_refused(monkeypatch):
-    """XMOE_TGMM_GATHER (scripts/gpu_bench_push.sh part depth_tgmm) overrides the measured table."""
-    monkeypatch.setitem(defaults.TGMM_GATHER_IN_KERNEL, "cpu", True)
-    monkeypatch.setenv("XMOE_TGMM_GATHER", "xla")
-    assert not defaults.tgmm_gathers_in_kernel()
-    monkeypatch.setenv("XMOE_TGMM_GATHER", "kernel")
-    assert defaults.tgmm_gathers_in_kernel()
-    monkeypatch.setenv("XMOE_TGMM_GATHER", "fast")
-    with pytest.raises(ValueError, match="use kernel or xla"):
-        defaults.tgmm_gathers_in_kernel()
+@pytest.mark.parametrize(
+    "env, table, ask",
+    [
+        ("XMOE_TGMM_GATHER", "TGMM_GATHER_IN_KERNEL", "tgmm_gathers_in_kernel"),
+        ("XMOE_GMM_GATHER", "GMM_GATHER_IN_KERNEL", "gmm_gathers_in_kernel"),
+    ],
+)
+def test_the_gather_overrides_name_one_way_or_are_refused(env, table, ask, monkeypatch):
+    """XMOE_TGMM_GATHER / XMOE_GMM_GATHER (the GPU batches' A/B runs) override the measured tables."""
+    monkeypatch.setitem(getattr(defaults, table), "cpu", True)
+    monkeypatch.setenv(env, "xla")
+    assert not getattr(defaults, ask)()
+    monkeypatch.setenv(env, "kernel")
+    assert getattr(defaults, ask)()
+    monkeypatch.setenv(env, "fast")
+    with pytest.raises(ValueError, match=f"{env}='fast': use kernel or xla"):
+        getattr(defaults, ask)()
+
+
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["gather-in-kernel", "xla-gathers-first"])
+def test_a_gathered_gmm_and_its_gradients_match_either_way(in_kernel, monkeypatch):
+    """Both ways a gmm reads indexed lhs rows into a grouped output (defaults.GMM_GATHER_IN_KERNEL): the
+    Pallas kernel's gather on load, or XLA's gather and the plain kernel (no index reaches it)."""
+    monkeypatch.setitem(defaults.GMM_GATHER_IN_KERNEL, "cpu", in_kernel)
+
+    def ours(x, w, gs, src):
+        return gmm(x, w, gs, lhs_rows_R=src, implementation="pallas", tile=TILE)
+
+    def ref(x, w, gs, src):
+        return gmm_jnp(jnp.dot(jax.nn.one_hot(src, x.shape[0]), x, precision="highest"), w, gs)
+
+    def grads(f):  # rows past sum(group_sizes) are unspecified: the loss reads the live rows only
+        return jax.jit(
+            jax.grad(lambda x, w, gs, src, cot, live: jnp.sum(f(x, w, gs, src) * cot * live), (0, 1))
+        )
+
+    sizes, src, _ = indexed_case(1, distinct=False)  # a token's rows read several times
+    x, w, cot = randn(11, (L_ROWS, K)), randn(12, (E, K, N)), randn(13, (R, N))
+    gs = jnp.asarray(sizes, jnp.int32)
+    live = (np.arange(R) < sum(sizes))[:, None].astype(np.float32)
+    jaxpr = str(jax.make_jaxpr(ours)(x, w, gs, src))
+    gathered_rows = f"f32[{R},{K}]" in jaxpr  # the grouped copy of the rows, made outside the kernel
+    assert gathered_rows != in_kernel, "XLA gathers the rows exactly when the table says xla"
+    got, want = f64(jax.jit(ours)(x, w, gs, src)), f64(ref(x, w, gs, src))
+    assert rel_err(got[: sum(sizes)], want[: sum(sizes)]) < 1e-5
+    for a, b in zip(grads(ours)(x, w, gs, src, cot, live), grads(ref)(x, w, gs, src, cot, live), strict=True):
+        assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("impl", BACKENDS)

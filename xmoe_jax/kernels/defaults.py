@@ -154,18 +154,36 @@ def launch_params(implementation: str, op: str, tile, itemsize: int) -> tuple[in
     return num_warps, num_stages
 
 
+# gmm with lhs row indices and a grouped output (the one-GPU up-projection, the down-projection's d act):
+# the Pallas kernel gathers on load (True), or XLA gathers the rows first and the plain kernel runs (on
+# CUDA: ws, which has no gather). One H200, Small x 4 layers on one GPU (benchmarks/train_step.md,
+# 2026-11-29): XLA's gather + ws ran the step 1.3-1.8% faster, but only because XLA keeps the forward's
+# gathered rows for the backward's tgmm (7.9 GiB more at peak, 17%); gathered again in the backward, it
+# gained 0.4% (noise). The kernel's gather stays the default; XMOE_GMM_GATHER=xla trades memory for speed.
+GMM_GATHER_IN_KERNEL = {"cpu": True, "cuda": True, "rocm": True}
+
+
+def _gathers_in_kernel(env: str, table: dict) -> bool:
+    forced = os.environ.get(env)
+    if forced not in (None, "", "kernel", "xla"):
+        raise ValueError(f"{env}={forced!r}: use kernel or xla (or unset it for the measured default)")
+    if forced:
+        return forced == "kernel"
+    return table.get(platform(), True)
+
+
 def tgmm_gathers_in_kernel() -> bool:
     """Whether tgmm reads indexed rows inside its kernel (else XLA gathers them first: see above).
     XMOE_TGMM_GATHER=kernel or =xla overrides the table, for measuring the other one (the XLA gather
     grows with the receive buffer: benchmarks/exchange.md; scripts/gpu_bench_push.sh part depth_tgmm)."""
-    forced = os.environ.get("XMOE_TGMM_GATHER")
-    if forced not in (None, "", "kernel", "xla"):
-        raise ValueError(
-            f"XMOE_TGMM_GATHER={forced!r}: use kernel or xla (or unset it for the measured default)"
-        )
-    if forced:
-        return forced == "kernel"
-    return TGMM_GATHER_IN_KERNEL.get(platform(), True)
+    return _gathers_in_kernel("XMOE_TGMM_GATHER", TGMM_GATHER_IN_KERNEL)
+
+
+def gmm_gathers_in_kernel() -> bool:
+    """Whether a gmm whose lhs rows are indexed (and output grouped) gathers them inside its kernel, or
+    XLA gathers them first so that the call runs on the platform's plain kernel (GMM_GATHER_IN_KERNEL).
+    XMOE_GMM_GATHER=kernel or =xla overrides the table."""
+    return _gathers_in_kernel("XMOE_GMM_GATHER", GMM_GATHER_IN_KERNEL)
 
 
 # Which of gmm/fused.py's ops run the activation inside the Pallas GEMM, per XMOE_FUSED_ACT mode.

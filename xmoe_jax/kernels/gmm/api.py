@@ -74,6 +74,8 @@ class _Static(NamedTuple):
 def _gmm_impl(lhs_LK, rhs_EKN, group_sizes_E, lhs_rows_R, out_rows_R, st: _Static):
     """Run one forward-style grouped GEMM on `st.impl` (None: platform default) or its fallback."""
     n_dim = rhs_EKN.shape[1] if st.transpose_rhs else rhs_EKN.shape[2]
+    if lhs_rows_R is not None and out_rows_R is None and not defaults.gmm_gathers_in_kernel():
+        lhs_LK, lhs_rows_R = gathered(lhs_LK, lhs_rows_R), None  # XLA gathers, the plain kernel runs
     num_rows = lhs_LK.shape[0] if lhs_rows_R is None else lhs_rows_R.shape[0]
     num_out = num_rows if out_rows_R is None else st.num_out_rows
     out_ON = jax.ShapeDtypeStruct((num_out, n_dim), st.out_dt)
