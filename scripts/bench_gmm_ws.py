@@ -9,6 +9,12 @@ GEMMs are plain grouped GEMMs like these); passes: the up-projection forward (K 
 down-projection forward (K 1408, N 2048) and the up-projection's data gradient (rhs transposed).
 Group sizes: a random multinomial near uniform, all rows routed.
 
+`--op tgmm`: our ws weight gradient (gmm/mgpu_ws_tgmm.py) instead, passes `up_wgrad` (lhs the rows' 2048 inputs,
+grad their 1408 hidden gradients: dW [E, 2048, 1408]) and `down_wgrad` ([E, 1408, 2048]), against the default Pallas
+tgmm, a dense matmul of the same FLOPs and `torch._grouped_mm`'s 2d x 2d form (offsets along K); correctness on a
+skewed case (empty groups, unaligned starts, rows past the sum) against float32 per-group matmuls, bit-exact zeros
+for the empty groups. Full size is the one-GPU step's 393,216 rows (`ep1`) and EP 4's 98,304 (`ep4`).
+
 Steps: 1. correctness first: every kernel config against a float32 XLA reference on a skewed case
 (empty groups, rows past the sum), relative error on the rows < sum(group_sizes); 2. time a dense
 matmul of the same FLOPs, the layer's default kernel (Pallas on GPU), JAX's Mosaic ragged dot, each
@@ -19,6 +25,7 @@ the ratio to torch. Every row goes to the JSON as it is measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # torch measures in the same process
@@ -27,8 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from xmoe_jax.kernels import defaults, gmm  # noqa: E402
-from xmoe_jax.kernels.gmm import mgpu_ws  # noqa: E402
+from xmoe_jax.kernels import defaults, gmm, tgmm  # noqa: E402
+from xmoe_jax.kernels.gmm import mgpu_ws, mgpu_ws_tgmm  # noqa: E402
 from xmoe_jax.kernels.gmm.xla import gmm_xla  # noqa: E402
 from xmoe_jax.perf.gather_bench import _torch_grouped_ms  # noqa: E402
 from xmoe_jax.perf.recorder import Recorder  # noqa: E402
@@ -97,7 +104,9 @@ def check(rec, configs, rows, experts, on_gpu, passes):
                 rec.add(check=pass_, config=name, skipped="the kernel needs a Hopper GPU")
                 continue
             try:
-                fn = jax.jit(lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t))
+                fn = jax.jit(
+                    lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t)
+                )
                 out = fn(lhs, rhs, gs)
                 err = _rel(np.asarray(out[:live], np.float32), np.asarray(ref[:live]))
                 rec.add(check=pass_, config=name, rel_err=err, ok=bool(err < 1e-2))
@@ -133,10 +142,116 @@ def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch, passes):
                 gs,
             )
             for name, cfg in configs.items():
-                fn = jax.jit(lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t))
+                fn = jax.jit(
+                    lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t)
+                )
                 timed(f"ws_{name}", fn, lhs, rhs, gs)
         if use_torch and not transpose:
             ms = _torch_grouped_ms(rows, k_dim, n_dim, gs_np, iters)
+            if ms is not None:
+                rec.add(**key, variant="torch_grouped_mm", ms=ms, tflops=flops / ms / 1e9)
+
+
+TGMM_PASSES = {"up_wgrad": (2048, 1408), "down_wgrad": (1408, 2048)}  # name: (M, N) of dW [E, M, N]
+TINY_TGMM_PASSES = {"up_wgrad": (256, 128), "down_wgrad": (128, 256)}
+
+
+def _tgmm_ref(lhs, grad, sizes) -> np.ndarray:
+    """float32 per-group lhs[rows].T @ grad[rows] in NumPy (one compile per group shape would take minutes):
+    [E, M, N]."""
+    ends = np.cumsum(sizes)
+    lhs, grad = np.asarray(lhs, np.float32), np.asarray(grad, np.float32)
+    return np.stack([lhs[e - n : e].T @ grad[e - n : e] for n, e in zip(sizes, ends, strict=True)])
+
+
+def _ws_tgmm(lhs, grad, gs, config):
+    """The kernel itself (not the registry, which would hand a refused call to pallas)."""
+    return mgpu_ws_tgmm.tgmm_ws(lhs, grad, gs, config=config)
+
+
+def check_tgmm(rec, rows, experts, on_gpu, passes):
+    """ws tgmm on a skewed case against float32 per-group matmuls; empty groups must be exact zeros."""
+    sizes = _sizes(rows, experts, 7, skewed=True)
+    for pass_, (m_dim, n_dim) in passes.items():
+        lhs, grad = _randn(11, (rows, m_dim)), _randn(12, (rows, n_dim))
+        ref = _tgmm_ref(lhs, grad, sizes)
+        if not on_gpu:
+            rec.add(check=pass_, config="ws_tgmm", skipped="the kernel needs a Hopper GPU")
+            continue
+        print(f"checking ws tgmm {pass_}", flush=True)  # a hung kernel shows here
+        try:
+            out = np.asarray(
+                jax.jit(functools.partial(_ws_tgmm, config=defaults.ws_tgmm_config(m_dim, n_dim)))(
+                    lhs, grad, sizes
+                ),
+                np.float32,
+            )
+            err = _rel(out, ref)
+            empty_zero = bool(np.all(out[sizes == 0] == 0))
+            rec.add(
+                check=pass_,
+                config="ws_tgmm",
+                rel_err=err,
+                empty_groups_zero=empty_zero,
+                ok=bool(err < 1e-2 and empty_zero),
+            )
+        except Exception as e:
+            rec.add(check=pass_, config="ws_tgmm", error=f"{type(e).__name__}: {str(e)[:600]}")
+
+
+def _torch_tgmm_ms(rows, m_dim, n_dim, gs, iters) -> float | None:
+    """torch._grouped_mm's 2d x 2d form (A [M, R] K-major, B [R, N], offsets along R), median ms; None if
+    unavailable or refused."""
+    try:
+        import torch
+
+        a = torch.randn(rows, m_dim, device="cuda", dtype=torch.bfloat16).t()
+        b = torch.randn(rows, n_dim, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor(np.cumsum(gs), device="cuda", dtype=torch.int32)
+        for _ in range(3):
+            torch._grouped_mm(a, b, offs=offs)
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch._grouped_mm(a, b, offs=offs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return float(np.median(times))
+    except Exception as e:  # noqa: BLE001  (torch missing, or this form refused: no peer row)
+        print(f"torch._grouped_mm 2d x 2d: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def bench_tgmm(rec, case, rows, experts, iters, on_gpu, use_torch, passes):
+    gs_np = _sizes(rows, experts, 3, skewed=False)
+    gs = jnp.asarray(gs_np)
+    for pass_, (m_dim, n_dim) in passes.items():
+        lhs, grad = _randn(5, (rows, m_dim)), _randn(6, (rows, n_dim))
+        flops = 2.0 * rows * m_dim * n_dim
+        key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=m_dim, n=n_dim)
+
+        def timed(variant, fn, *args, key=key, flops=flops):
+            try:
+                ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
+                rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:
+                rec.add(**key, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+        timed("dense_same_flops", jax.jit(lambda a, b: a.T @ b), lhs, grad)
+        ours = f"default_{defaults.default_implementation('tgmm')}"
+        timed(ours, jax.jit(lambda a, b, g: tgmm(a, b, g)), lhs, grad, gs)
+        if on_gpu:
+            timed(
+                "ws_tgmm",
+                jax.jit(functools.partial(_ws_tgmm, config=defaults.ws_tgmm_config(m_dim, n_dim))),
+                lhs,
+                grad,
+                gs,
+            )
+        if use_torch and on_gpu:
+            ms = _torch_tgmm_ms(rows, m_dim, n_dim, gs_np, iters)
             if ms is not None:
                 rec.add(**key, variant="torch_grouped_mm", ms=ms, tflops=flops / ms / 1e9)
 
@@ -153,7 +268,9 @@ def table(rows) -> str:
     errs = [r for r in rows if "check" in r]
     worst = max((r.get("rel_err", 0.0) for r in errs), default=0.0)
     bad = [f"{r['check']}/{r['config']}" for r in errs if r.get("ok") is False or "error" in r]
-    out.append(f"\ncorrectness: worst relative error {worst:.2e}; failed or refused: {', '.join(bad) or 'none'}")
+    out.append(
+        f"\ncorrectness: worst relative error {worst:.2e}; failed or refused: {', '.join(bad) or 'none'}"
+    )
     return "\n".join(out)
 
 
@@ -164,13 +281,34 @@ def main() -> None:
     p.add_argument("--configs", default=None, help="comma-separated names of CONFIGS (default: all)")
     p.add_argument("--tiny", action="store_true", help="small shapes (the CPU dry run)")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--op", choices=("gmm", "tgmm"), default="gmm")
+    p.add_argument("--check-only", action="store_true", help="tgmm: the correctness check alone")
+    p.add_argument("--passes", default=None, help="tgmm: comma-separated passes (default: both)")
+    p.add_argument("--tgmm-config", type=int, default=None, help="tgmm: index into defaults.WS_TGMM_CONFIGS")
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     configs = {k: CONFIGS[k] for k in (args.configs.split(",") if args.configs else CONFIGS)}
     rec = Recorder(args.out, environment())
+    if args.op == "tgmm":
+        passes = TINY_TGMM_PASSES if args.tiny else TGMM_PASSES
+        passes = {k: v for k, v in passes.items() if not args.passes or k in args.passes.split(",")}
+        if args.tgmm_config is not None:
+            defaults.WS_TGMM_CONFIGS = (defaults.WS_TGMM_CONFIGS[args.tgmm_config],)
+        check_tgmm(rec, 504 if args.tiny else 16_376, 8 if args.tiny else 64, on_gpu, passes)
+        if args.check_only:
+            print(table(rec.rows))
+            return
+        for case, (rows, experts) in (
+            {"ep1": (512, 8)} if args.tiny else {"ep1": (393_216, 64), "ep4": (98_304, 16)}
+        ).items():
+            bench_tgmm(rec, case, rows, experts, args.iters, on_gpu, not args.no_torch, passes)
+        print(table(rec.rows))
+        return
     rows, cases = (512, {"ep1": 8, "ep4": 4}) if args.tiny else (98_304, {"ep1": 64, "ep4": 16})
     passes = TINY_PASSES if args.tiny else PASSES
-    check(rec, configs, rows - 72, cases["ep1"], on_gpu, passes)  # rows not a multiple of the tiles: a partial last tile
+    check(
+        rec, configs, rows - 72, cases["ep1"], on_gpu, passes
+    )  # rows not a multiple of the tiles: a partial last tile
     for case, experts in cases.items():
         bench(rec, configs, case, rows, experts, args.iters, on_gpu, not args.no_torch, passes)
     print(table(rec.rows))

@@ -4,7 +4,8 @@ The kernel itself needs a Hopper GPU: scripts/bench_gmm_ws.py checks it there ag
 groups, empty groups, rows past the sum, a partial last tile) before it times it
 (benchmarks/kernels.md). Here: its work list against NumPy, its lowering to Mosaic GPU for CUDA
 (`jax.export`, which catches tracing and lowering errors before a GPU is involved), its refusals, and
-the defaults that send contiguous gmm calls to it on CUDA and row-indexed ones to pallas.
+the defaults that send contiguous gmm calls to it on CUDA and row-indexed ones to pallas; the same for
+its weight gradient (gmm/mgpu_ws_tgmm.py, `bench_gmm_ws.py --op tgmm` on the GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from xmoe_jax.kernels import backends, defaults
-from xmoe_jax.kernels.gmm import mgpu_ws
+from xmoe_jax.kernels.gmm import mgpu_ws, mgpu_ws_tgmm
 
 
 @pytest.mark.parametrize("sizes", [[5, 0, 300, 0, 9, 256, 1], [0, 0, 0], [512, 0]])
@@ -170,7 +171,8 @@ def test_cuda_sends_contiguous_gmm_to_ws_and_indexed_gmm_to_pallas(monkeypatch):
     monkeypatch.setattr(defaults, "is_hopper", lambda: True)
     assert defaults.default_implementation("gmm") == "ws"
     assert defaults.default_implementation("gmm_indexed") == "pallas"
-    assert defaults.default_implementation("tgmm_indexed") == "pallas"  # no entry: the op's own
+    assert defaults.default_implementation("tgmm") == "ws"
+    assert defaults.default_implementation("tgmm_indexed") == "pallas"
     ws = backends.IMPLEMENTATIONS["ws"]
     x = jax.ShapeDtypeStruct((98_304, 2048), jnp.bfloat16)
     indexed = backends.Call("gmm", (x,), 2048, 1408, indexed=True)
@@ -178,12 +180,95 @@ def test_cuda_sends_contiguous_gmm_to_ws_and_indexed_gmm_to_pallas(monkeypatch):
     tiled = backends.Call("gmm", (x,), 2048, 1408, tile=(128, 64, 128))
     assert "own configs" in ws.shape_reason(tiled)
     assert ws.shape_reason(backends.Call("gmm", (x,), 2048, 1408)) is None
-    assert ws.ops == frozenset({"gmm"})  # tgmm, permute and FP8 run on its fallback, pallas
+    assert ws.ops == frozenset({"gmm", "tgmm"})  # permute and FP8 run on its fallback, pallas
+    # tgmm: the up-projection's dW [2048, 1408] takes the M split; the down-projection's [1408, 2048] stays
+    # on pallas (measured slower split along N: defaults.WS_TGMM_CONFIGS)
+    assert ws.shape_reason(backends.Call("tgmm", (x,), 2048, 1408)) is None
+    assert "not whole 256 x 128" in ws.shape_reason(backends.Call("tgmm", (x,), 1408, 2048))
+    assert "pallas gathers on load" in ws.shape_reason(backends.Call("tgmm", (x,), 2048, 1408, indexed=True))
 
 
-def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
-    """scripts/bench_gmm_ws.py --tiny: the references and peers it times on any machine (the kernel's
-    rows say it needs a Hopper GPU), one JSON row each, and its table."""
+def test_xmoe_kernels_names_one_backend_for_every_op_or_one_per_op(monkeypatch):
+    """XMOE_KERNELS=pallas moves every op; XMOE_KERNELS=tgmm=ws,permute=xla only the ops it names (the GPU
+    batches' A/B runs); anything else is refused naming both forms, and an unknown backend by its name."""
+    monkeypatch.setattr(defaults, "platform", lambda: "cpu")
+    monkeypatch.setenv("XMOE_KERNELS", "pallas")
+    assert defaults.default_implementation("gmm") == defaults.default_implementation("tgmm") == "pallas"
+    monkeypatch.setenv("XMOE_KERNELS", "tgmm=ws,permute=pallas")
+    assert defaults.default_implementation("tgmm") == "ws"
+    assert defaults.default_implementation("permute") == "pallas"
+    assert defaults.default_implementation("gmm") == "xla"  # the table's
+    monkeypatch.setenv("XMOE_KERNELS", "tgmm=ws,pallas")
+    with pytest.raises(ValueError, match="op=backend pairs"):
+        defaults.default_implementation("gmm")
+    monkeypatch.setenv("XMOE_KERNELS", "tgmm=fast")
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="'fast'"):
+        backends.choose_backend(None, backends.Call("tgmm", (x,), 32, 32))
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 300, 0, 9, 256, 1], [0, 0, 0], [64, 64, 0, 1]])
+def test_tgmm_blocks_cover_each_group_and_mask_only_its_neighbours(sizes):
+    """mgpu_ws_tgmm.group_blocks: a group's blocks of tile_k rows start at its start rounded down, cover
+    its rows, and the masks (rows before `head` in the first block, after `last` in the last) leave
+    exactly the group's rows."""
+    tile_k = 64
+    gs = np.asarray(sizes, np.int32)
+    first, blocks, head, last = np.asarray(mgpu_ws_tgmm.group_blocks(jnp.asarray(gs), tile_k))
+    ends = np.cumsum(gs)
+    for e, size in enumerate(gs):
+        if size == 0:
+            assert blocks[e] == 0
+            continue
+        assert first[e] % tile_k == 0
+        kept = []
+        for k in range(blocks[e]):
+            rows = first[e] + k * tile_k + np.arange(tile_k)
+            keep = np.ones(tile_k, bool)
+            if k == 0:
+                keep &= np.arange(tile_k) >= head[e]
+            if k == blocks[e] - 1:
+                keep &= np.arange(tile_k) <= last[e]
+            kept.extend(rows[keep])
+        np.testing.assert_array_equal(kept, np.arange(ends[e] - size, ends[e]))
+
+
+@pytest.mark.parametrize("m_dim, n_dim", [(256, 128), (512, 256)])
+def test_the_tgmm_kernel_lowers_to_mosaic_gpu_for_cuda(m_dim, n_dim):
+    """The ws tgmm (the default config, split along M) through jax.export for CUDA on this CPU."""
+    config = defaults.ws_tgmm_config(m_dim, n_dim)
+
+    def f(x, g, gs):
+        return mgpu_ws_tgmm.tgmm_ws(x, g, gs, config=config)
+
+    args = (
+        jax.ShapeDtypeStruct((1000, m_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1000, n_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    text = jax.export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in text and "xmoe_tgmm_ws" in text
+
+
+def test_tgmm_shapes_it_cannot_take_are_refused_before_tracing():
+    cfg = defaults.ws_tgmm_config(2048, 1408)
+    bf16 = jnp.bfloat16
+    assert mgpu_ws_tgmm.shape_reason(bf16, 2048, 1408, 393_216, cfg) is None
+    assert "multiple of 8" in mgpu_ws_tgmm.shape_reason(bf16, 2048, 1408, 1001, cfg)
+    assert "CTA tiles" in mgpu_ws_tgmm.shape_reason(bf16, 1408, 2048, 1000, cfg)
+    assert "bfloat16" in mgpu_ws_tgmm.shape_reason(jnp.float32, 2048, 1408, 1000, cfg)
+    in_flight = mgpu_ws.WsConfig(128, 128, 64, 4, "m", in_flight=1)  # faulted on an H200 (docstring)
+    assert "in_flight" in mgpu_ws_tgmm.shape_reason(bf16, 2048, 1408, 1000, in_flight)
+    with pytest.raises(ValueError, match="tgmm_ws: .*multiple of 8"):
+        mgpu_ws_tgmm.tgmm_ws(
+            jnp.zeros((100, 256), bf16), jnp.zeros((100, 128), bf16), jnp.asarray([50, 50]), config=cfg
+        )
+
+
+@pytest.mark.parametrize("op", ["gmm", "tgmm"])
+def test_the_benchmark_runs_tiny_on_cpu(op, tmp_path):
+    """scripts/bench_gmm_ws.py --tiny (and --op tgmm): the references and peers it times on any machine
+    (the kernel's rows say it needs a Hopper GPU), one JSON row each, and its table."""
     repo = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "ws.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
@@ -197,12 +282,17 @@ def test_the_benchmark_runs_tiny_on_cpu(tmp_path):
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*cmd, "--op", op], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| case / pass | variant |" in proc.stdout
     rows = json.loads(out.read_text())["results"]
     assert not [r for r in rows if "error" in r], rows
     timed = {(r["case"], r["pass_"], r["variant"]) for r in rows if "ms" in r}
-    for case in ("ep1", "ep4"):
-        for pass_ in ("up_fwd", "down_fwd", "up_dgrad"):
+    cases, passes = (
+        (("ep1",), ("up_wgrad", "down_wgrad"))
+        if op == "tgmm"
+        else (("ep1", "ep4"), ("up_fwd", "down_fwd", "up_dgrad"))
+    )
+    for case in cases:
+        for pass_ in passes:
             assert {(case, pass_, "dense_same_flops"), (case, pass_, "default_xla")} <= timed

@@ -5,8 +5,8 @@ Backends (`implementation=`), one object each in IMPLEMENTATIONS:
   "pallas"  Triton-style Pallas kernels: Triton lowering on CUDA and ROCm, interpret mode on CPU.
   "triton"  the same GEMM algorithm as a Triton kernel called through jax-triton (CUDA, ROCm).
   "mgpu"    JAX's bundled Mosaic-GPU ragged dots (Hopper, NVIDIA only).
-  "ws"      our warp-specialized Mosaic-GPU grouped GEMM (gmm/mgpu_ws.py; Hopper): contiguous gmm only,
-            tgmm / permute / FP8 / row-indexed calls run on its fallback, pallas.
+  "ws"      our warp-specialized Mosaic-GPU grouped GEMMs (gmm/mgpu_ws.py, gmm/mgpu_ws_tgmm.py; Hopper):
+            contiguous gmm and tgmm only; permute / FP8 / row-indexed calls run on its fallback, pallas.
 FP8 (op "gmm_fp8", called by xmoe_jax/fp8/gmm.py): xla (gmm/xla.py, the dequantizing float32
 oracle) and pallas (gmm/pallas_fp8.py) run it; triton and mgpu say why they cannot and hand it on.
   "shapes"  shape-only stand-ins for compile-time memory planning (kernels/shapes.py), never numbers.
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from xmoe_jax.kernels import defaults, shapes
 from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
 from xmoe_jax.kernels.gmm import mgpu_ws as gmm_ws
+from xmoe_jax.kernels.gmm import mgpu_ws_tgmm as ws_tgmm
 from xmoe_jax.kernels.gmm import pallas as gmm_pallas
 from xmoe_jax.kernels.gmm import pallas_fp8 as gmm_pallas_fp8
 from xmoe_jax.kernels.gmm import triton as gmm_triton  # jax-triton itself is imported on first call
@@ -302,7 +303,8 @@ class Mosaic(Backend):
 
 
 class WarpSpecialized(Backend):
-    """Our warp-specialized Mosaic-GPU grouped GEMM (gmm/mgpu_ws.py), Hopper only, contiguous gmm only.
+    """Our warp-specialized Mosaic-GPU grouped GEMMs (gmm/mgpu_ws.py, mgpu_ws_tgmm.py), Hopper only,
+    contiguous rows only.
 
     Its configs are its own (defaults.WS_CONFIGS, picked by the output columns), not a Pallas tile:
     a call that names a tile goes to pallas. Row-indexed calls (no TMA gather on Hopper) are not
@@ -310,7 +312,7 @@ class WarpSpecialized(Backend):
     fall back with a warning."""
 
     name, fallback = "ws", "pallas"
-    ops = frozenset({"gmm"})
+    ops = frozenset({"gmm", "tgmm"})
 
     def unavailable_reason(self):
         if platform() != "cuda" or not is_hopper():
@@ -323,7 +325,11 @@ class WarpSpecialized(Backend):
         if call.tile is not None:
             return f"it takes its own configs (defaults.WS_CONFIGS), not a tile {call.tile}"
         lhs = call.arrays[0]
-        return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, defaults.ws_config(call.n_dim), lhs.shape[0])
+        if call.op == "tgmm":
+            config = defaults.ws_tgmm_config(call.k_dim, call.n_dim)
+            return ws_tgmm.shape_reason(lhs.dtype, call.k_dim, call.n_dim, lhs.shape[0], config)
+        config = defaults.ws_config(call.n_dim)
+        return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, config, lhs.shape[0])
 
     def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, zero_unwritten=False, **rows):
         del tile, rows  # shape_reason refused tiles and indexed calls
@@ -333,6 +339,11 @@ class WarpSpecialized(Backend):
             transpose_rhs=transpose_rhs,
         )  # fmt: skip
         return gmm_mgpu.zero_tail(out, group_sizes_E) if zero_unwritten else out
+
+    def tgmm(self, lhs_LK, grad_GN, group_sizes_E, *, out_dtype, tile, lhs_rows_R=None, grad_rows_R=None):
+        del tile, lhs_rows_R, grad_rows_R  # shape_reason refused tiles and indexed calls
+        config = defaults.ws_tgmm_config(lhs_LK.shape[1], grad_GN.shape[1])
+        return ws_tgmm.tgmm_ws(lhs_LK, grad_GN, group_sizes_E, out_dtype=out_dtype, config=config)
 
 
 class Shapes(Backend):
@@ -403,6 +414,7 @@ def choose_backend(implementation: str | None, call: Call) -> Backend:
     check_name(implementation)
     op = f"{call.op}_indexed" if call.indexed else call.op  # the defaults may differ for indexed calls
     name = defaults.default_implementation(op) if implementation is None else implementation
+    check_name(name)  # XMOE_KERNELS may name one that does not exist
     while True:
         backend = IMPLEMENTATIONS[name]
         if call.op not in backend.ops:  # no kernel of its own for this op: its fallback's, silently

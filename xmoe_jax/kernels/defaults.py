@@ -18,10 +18,19 @@ from xmoe_jax.kernels.platform import is_hopper, platform
 # Permute/combine: pallas 80-82% of device-copy bandwidth, XLA's permute 46%.
 # gmm on CUDA: our warp-specialized Mosaic kernel (ws, gmm/mgpu_ws.py) for contiguous rows, 1.03-1.17x
 # pallas on one H200 (benchmarks/kernels.md, 2026-11-28); row-indexed calls (`gmm_indexed`) stay on
-# pallas, which gathers on load. ws needs Hopper: elsewhere it hands the call to pallas.
+# pallas, which gathers on load. tgmm on CUDA: ws where WS_TGMM_CONFIGS' tile divides the output (the
+# up-projection's dW: 1.15-1.20x pallas, the one-GPU step +1.25%; benchmarks/kernels.md, 2026-11-29), else
+# pallas. ws needs Hopper: elsewhere it hands the call to pallas.
 DEFAULT_IMPLEMENTATION = {
     "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla"},
-    "cuda": {"gmm": "ws", "gmm_indexed": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},
+    "cuda": {
+        "gmm": "ws",
+        "gmm_indexed": "pallas",
+        "tgmm": "ws",
+        "tgmm_indexed": "pallas",
+        "gmm_fp8": "pallas",
+        "permute": "pallas",
+    },
     "rocm": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},  # fp8: untested
 }
 
@@ -92,6 +101,22 @@ WS_CONFIGS = {
 }
 
 
+# ws tgmm (gmm/mgpu_ws_tgmm.py) configs, tried in order: the first whose CTA tile divides the [M, N] output.
+# One H200 (scripts/bench_gmm_ws.py --op tgmm, results/tgmm_ws_1xh200.json): the 256 x 128 CTA split along M
+# ran the up-projection's dW 1.15-1.20x the Pallas tgmm; 128 x 256 split along N ran the down-projection's
+# 0.88-0.96x, so it is not offered (that shape stays on pallas). No wgmma in flight: the kernel's docstring.
+WS_TGMM_CONFIGS = ((128, 128, 64, 4, "m", 8, 0, 64),)
+
+
+def ws_tgmm_config(m_dim: int, n_dim: int):
+    """The ws tgmm's config for an [M, N] weight gradient: the first of WS_TGMM_CONFIGS whose CTA tile
+    divides it (else the last, which the kernel's shape_reason then refuses)."""
+    from xmoe_jax.kernels.gmm.mgpu_ws import WsConfig
+
+    configs = [WsConfig(*c) for c in WS_TGMM_CONFIGS]
+    return next((c for c in configs if m_dim % c.cta_m == 0 and n_dim % c.cta_n == 0), configs[-1])
+
+
 def ws_config(n_dim: int):
     """The ws kernel's config for N output columns: the widest CTA whose columns divide N."""
     from xmoe_jax.kernels.gmm.mgpu_ws import WsConfig
@@ -115,10 +140,19 @@ TGMM_GATHER_IN_KERNEL = {"cpu": True, "cuda": False, "rocm": False}
 def default_implementation(op: str) -> str:
     """The backend `implementation=None` asks for: the fastest measured one for this platform, or
     the one named by XMOE_KERNELS (e.g. the memory planner compiles the Pallas kernels on CPU so
-    that no dense ragged_dot lowering inflates its temporaries)."""
+    that no dense ragged_dot lowering inflates its temporaries), for every op or, given as
+    op=backend pairs (XMOE_KERNELS=tgmm=ws), for the ops it names."""
     forced = os.environ.get("XMOE_KERNELS")
-    if forced:
+    if forced and "=" not in forced:
         return forced
+    if forced:  # op=backend pairs, e.g. tgmm=ws,gmm=pallas: the others keep the table's choice
+        pairs = dict(pair.split("=", 1) for pair in forced.split(",") if "=" in pair)
+        if len(pairs) != len([p for p in forced.split(",") if p]):
+            raise ValueError(
+                f"XMOE_KERNELS={forced!r}: give one backend (pallas) or op=backend pairs (tgmm=ws,gmm=pallas)"
+            )
+        if op in pairs:
+            return pairs[op]
     table = DEFAULT_IMPLEMENTATION.get(platform(), {})
     name = table.get(op) or table.get(op.removesuffix("_indexed"), "xla")
     if name == "ws" and not is_hopper():  # before Hopper, or a CUDA target traced on a CPU host: no warning
