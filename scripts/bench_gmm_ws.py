@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from xmoe_jax.kernels import defaults, gmm, tgmm  # noqa: E402
 from xmoe_jax.kernels.gmm import mgpu_ws, mgpu_ws_tgmm  # noqa: E402
 from xmoe_jax.kernels.gmm.xla import gmm_xla  # noqa: E402
-from xmoe_jax.perf.gather_bench import _torch_grouped_ms  # noqa: E402
+from xmoe_jax.perf.gather_bench import _torch_grouped_ms, torch_median_ms  # noqa: E402
 from xmoe_jax.perf.recorder import Recorder  # noqa: E402
 from xmoe_jax.perf.timing import environment, time_fn  # noqa: E402
 
@@ -114,6 +114,15 @@ def check(rec, configs, rows, experts, on_gpu, passes):
                 rec.add(check=pass_, config=name, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+def _timed(rec, key, flops, iters, variant, fn, *args):
+    """One timed row (ms, TFLOP/s) of fn(*args); a failure is a row too."""
+    try:
+        ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
+        rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
+    except Exception as e:
+        rec.add(**key, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch, passes):
     gs_np = _sizes(rows, experts, 3, skewed=False)
     gs = jnp.asarray(gs_np)
@@ -122,12 +131,7 @@ def bench(rec, configs, case, rows, experts, iters, on_gpu, use_torch, passes):
         flops = 2.0 * rows * k_dim * n_dim
         key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=k_dim, n=n_dim)
 
-        def timed(variant, fn, *args, key=key, flops=flops):
-            try:
-                ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
-                rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
-            except Exception as e:
-                rec.add(**key, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+        timed = functools.partial(_timed, rec, key, flops, iters)
 
         dense_w = _randn(9, (k_dim, n_dim))
         timed("dense_same_flops", jax.jit(lambda a, b: a @ b), lhs, dense_w)
@@ -208,17 +212,7 @@ def _torch_tgmm_ms(rows, m_dim, n_dim, gs, iters) -> float | None:
         a = torch.randn(rows, m_dim, device="cuda", dtype=torch.bfloat16).t()
         b = torch.randn(rows, n_dim, device="cuda", dtype=torch.bfloat16)
         offs = torch.tensor(np.cumsum(gs), device="cuda", dtype=torch.int32)
-        for _ in range(3):
-            torch._grouped_mm(a, b, offs=offs)
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch._grouped_mm(a, b, offs=offs)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return float(np.median(times))
+        return torch_median_ms(lambda: torch._grouped_mm(a, b, offs=offs), iters)
     except Exception as e:  # noqa: BLE001  (torch missing, or this form refused: no peer row)
         print(f"torch._grouped_mm 2d x 2d: {type(e).__name__}: {str(e)[:200]}")
         return None
@@ -232,12 +226,7 @@ def bench_tgmm(rec, case, rows, experts, iters, on_gpu, use_torch, passes):
         flops = 2.0 * rows * m_dim * n_dim
         key = dict(case=case, pass_=pass_, rows=rows, experts=experts, k=m_dim, n=n_dim)
 
-        def timed(variant, fn, *args, key=key, flops=flops):
-            try:
-                ms = time_fn(fn, *args, warmup=2, iters=iters) * 1e3
-                rec.add(**key, variant=variant, ms=ms, tflops=flops / ms / 1e9)
-            except Exception as e:
-                rec.add(**key, variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+        timed = functools.partial(_timed, rec, key, flops, iters)
 
         timed("dense_same_flops", jax.jit(lambda a, b: a.T @ b), lhs, grad)
         ours = f"default_{defaults.default_implementation('tgmm')}"

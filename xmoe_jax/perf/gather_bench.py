@@ -143,13 +143,20 @@ def _torch_grouped_ms(rows, k_dim, n_dim, gs, iters) -> float | None:
     x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(len(gs), n_dim, k_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     offs = torch.tensor(np.cumsum(gs), device="cuda", dtype=torch.int32)
+    return torch_median_ms(lambda: torch._grouped_mm(x, w, offs=offs), iters)
+
+
+def torch_median_ms(fn, iters: int) -> float:
+    """Median ms of a CUDA torch call by CUDA events, after 3 warm-up calls."""
+    import torch
+
     for _ in range(3):
-        torch._grouped_mm(x, w, offs=offs)
+        fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch._grouped_mm(x, w, offs=offs)
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
