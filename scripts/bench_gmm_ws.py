@@ -10,10 +10,11 @@ down-projection forward (K 1408, N 2048) and the up-projection's data gradient (
 Group sizes: a random multinomial near uniform, all rows routed.
 
 `--op tgmm`: our ws weight gradient (gmm/mgpu_ws_tgmm.py) instead, passes `up_wgrad` (lhs the rows' 2048 inputs,
-grad their 1408 hidden gradients: dW [E, 2048, 1408]) and `down_wgrad` ([E, 1408, 2048]), against the default Pallas
-tgmm, a dense matmul of the same FLOPs and `torch._grouped_mm`'s 2d x 2d form (offsets along K); correctness on a
-skewed case (empty groups, unaligned starts, rows past the sum) against float32 per-group matmuls, bit-exact zeros
-for the empty groups. Full size is the one-GPU step's 393,216 rows (`ep1`) and EP 4's 98,304 (`ep4`).
+grad their 1408 hidden gradients: dW [E, 2048, 1408]) and `down_wgrad` ([E, 1408, 2048]); every config of
+TGMM_CONFIGS whose CTA tile divides the pass's dW is checked on a skewed case (empty groups, unaligned starts, rows
+past the sum) against float32 per-group matmuls (empty groups must be exact zeros), then timed against the default
+tgmm, a dense matmul of the same FLOPs and `torch._grouped_mm`'s 2d x 2d form (offsets along K). Full size is the
+one-GPU step's 393,216 rows (`ep1`) and EP 4's 98,304 (`ep4`). `--check-only` and `--passes` narrow it.
 
 Steps: 1. correctness first: every kernel config against a float32 XLA reference on a skewed case
 (empty groups, rows past the sum), relative error on the rows < sum(group_sizes); 2. time a dense
@@ -173,34 +174,43 @@ def _ws_tgmm(lhs, grad, gs, config):
     return mgpu_ws_tgmm.tgmm_ws(lhs, grad, gs, config=config)
 
 
+TGMM_CONFIGS = {  # name: config; each pass checks and times those whose CTA tile divides its dW
+    "m256x128": W(128, 128, 64, 4, "m", epi_n=64),  # defaults.WS_TGMM_CONFIGS: 1.15-1.20x Pallas (up)
+    "n128x256": W(128, 128, 64, 4, "n", epi_n=64),  # 0.88-0.96x Pallas on the down-projection's dW
+    "n128x128": W(128, 64, 64, 4, "n", epi_n=64),
+    "m128x128": W(64, 128, 64, 5, "m", epi_n=64),  # not yet run: the down-projection's dW split along M
+}
+
+
+def _tgmm_configs(m_dim, n_dim, rows) -> dict:
+    return {
+        k: c
+        for k, c in TGMM_CONFIGS.items()
+        if mgpu_ws_tgmm.shape_reason(jnp.bfloat16, m_dim, n_dim, rows, c) is None
+    }
+
+
 def check_tgmm(rec, rows, experts, on_gpu, passes):
-    """ws tgmm on a skewed case against float32 per-group matmuls; empty groups must be exact zeros."""
+    """Each ws tgmm config on a skewed case against float32 per-group matmuls; empty groups must be exact zeros."""
     sizes = _sizes(rows, experts, 7, skewed=True)
     for pass_, (m_dim, n_dim) in passes.items():
         lhs, grad = _randn(11, (rows, m_dim)), _randn(12, (rows, n_dim))
         ref = _tgmm_ref(lhs, grad, sizes)
-        if not on_gpu:
-            rec.add(check=pass_, config="ws_tgmm", skipped="the kernel needs a Hopper GPU")
-            continue
-        print(f"checking ws tgmm {pass_}", flush=True)  # a hung kernel shows here
-        try:
-            out = np.asarray(
-                jax.jit(functools.partial(_ws_tgmm, config=defaults.ws_tgmm_config(m_dim, n_dim)))(
-                    lhs, grad, sizes
-                ),
-                np.float32,
-            )
-            err = _rel(out, ref)
-            empty_zero = bool(np.all(out[sizes == 0] == 0))
-            rec.add(
-                check=pass_,
-                config="ws_tgmm",
-                rel_err=err,
-                empty_groups_zero=empty_zero,
-                ok=bool(err < 1e-2 and empty_zero),
-            )
-        except Exception as e:
-            rec.add(check=pass_, config="ws_tgmm", error=f"{type(e).__name__}: {str(e)[:600]}")
+        for name, cfg in _tgmm_configs(m_dim, n_dim, rows).items():
+            if not on_gpu:
+                rec.add(check=pass_, config=name, skipped="the kernel needs a Hopper GPU")
+                continue
+            print(f"checking ws tgmm {pass_} {name}", flush=True)  # a hung kernel shows here
+            try:
+                out = np.asarray(
+                    jax.jit(functools.partial(_ws_tgmm, config=cfg))(lhs, grad, sizes), np.float32
+                )
+                err = _rel(out, ref)
+                empty_zero = bool(np.all(out[sizes == 0] == 0))
+                ok = bool(err < 1e-2 and empty_zero)
+                rec.add(check=pass_, config=name, rel_err=err, empty_groups_zero=empty_zero, ok=ok)
+            except Exception as e:
+                rec.add(check=pass_, config=name, error=f"{type(e).__name__}: {str(e)[:600]}")
 
 
 def _torch_tgmm_ms(rows, m_dim, n_dim, gs, iters) -> float | None:
@@ -231,14 +241,8 @@ def bench_tgmm(rec, case, rows, experts, iters, on_gpu, use_torch, passes):
         timed("dense_same_flops", jax.jit(lambda a, b: a.T @ b), lhs, grad)
         ours = f"default_{defaults.default_implementation('tgmm')}"
         timed(ours, jax.jit(lambda a, b, g: tgmm(a, b, g)), lhs, grad, gs)
-        if on_gpu:
-            timed(
-                "ws_tgmm",
-                jax.jit(functools.partial(_ws_tgmm, config=defaults.ws_tgmm_config(m_dim, n_dim))),
-                lhs,
-                grad,
-                gs,
-            )
+        for name, cfg in _tgmm_configs(m_dim, n_dim, rows).items() if on_gpu else ():
+            timed(f"ws_tgmm_{name}", jax.jit(functools.partial(_ws_tgmm, config=cfg)), lhs, grad, gs)
         if use_torch and on_gpu:
             ms = _torch_tgmm_ms(rows, m_dim, n_dim, gs_np, iters)
             if ms is not None:
@@ -273,7 +277,6 @@ def main() -> None:
     p.add_argument("--op", choices=("gmm", "tgmm"), default="gmm")
     p.add_argument("--check-only", action="store_true", help="tgmm: the correctness check alone")
     p.add_argument("--passes", default=None, help="tgmm: comma-separated passes (default: both)")
-    p.add_argument("--tgmm-config", type=int, default=None, help="tgmm: index into defaults.WS_TGMM_CONFIGS")
     args = p.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     configs = {k: CONFIGS[k] for k in (args.configs.split(",") if args.configs else CONFIGS)}
@@ -281,8 +284,6 @@ def main() -> None:
     if args.op == "tgmm":
         passes = TINY_TGMM_PASSES if args.tiny else TGMM_PASSES
         passes = {k: v for k, v in passes.items() if not args.passes or k in args.passes.split(",")}
-        if args.tgmm_config is not None:
-            defaults.WS_TGMM_CONFIGS = (defaults.WS_TGMM_CONFIGS[args.tgmm_config],)
         check_tgmm(rec, 504 if args.tiny else 16_376, 8 if args.tiny else 64, on_gpu, passes)
         if args.check_only:
             print(table(rec.rows))
