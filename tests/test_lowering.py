@@ -208,3 +208,42 @@ def test_fused_activation_kernels_lower_through_triton_for_rocm(monkeypatch):
     )
     calls = _export_for_rocm(pieces, args)
     assert calls["xmoe_gmm_act"] == 2 and calls["xmoe_tgmm_act"] == 1, calls
+
+
+def test_on_hopper_the_up_projections_weight_gradient_lowers_to_our_ws_tgmm():
+    """The train step exported for CUDA as on a Hopper GPU (the device query answered; nothing runs):
+    the contiguous expert GEMMs and the up-projections' weight gradient (gate and up concatenated,
+    [256, 256]) are our Mosaic-GPU `ws` kernels, the down-projection's ([128, 256], which its 256 x 128
+    tile does not divide) stays a Triton tgmm (kernels/defaults.py: WS_TGMM_CONFIGS)."""
+    from xmoe_jax.kernels import platform as kernel_platform
+
+    choices: list[tuple[str, int, int, str]] = []
+    choose_backend = backends.choose_backend
+
+    def record_backend(implementation, call):
+        backend = choose_backend(implementation, call)
+        choices.append((call.op, call.k_dim, call.n_dim, backend.name))
+        return backend
+
+    with pytest.MonkeyPatch.context() as mp:
+        _pretend_cudnn(mp)
+        mp.setattr(kernel_platform, "_first_device_is_hopper", lambda: True)
+        mp.setattr(backends, "choose_backend", record_backend)
+        cfg = load_config(
+            "configs/tiny.yaml",
+            [*OVERRIDES, "mesh.expert=1", "model.hidden=256", "model.moe.expert_hidden=128"],
+        )
+        try:
+            with pytest.warns(UserWarning, match="tgmm: implementation 'ws' unavailable"):
+                module = export_train_step(cfg, "cuda", 1).mlir_module()
+        except RuntimeError as err:
+            if "No supported GPU devices found" not in str(err):
+                raise
+            pytest.skip(
+                f"jax {jax.__version__}: Pallas's Triton lowering needs a GPU device to export ({err})"
+            )
+    tgmms = collections.Counter((k, n, name) for op, k, n, name in choices if op == "tgmm")
+    assert tgmms == {(256, 256, "ws"): 1, (128, 256, "pallas"): 1}, tgmms
+    calls = kernel_calls(module)
+    mosaic = sum(count for name, count in calls.items() if name.startswith("mosaic_gpu"))
+    assert mosaic == 3 and calls["xmoe_tgmm"] == 1, calls  # 2 ws gmm + the ws tgmm; the other tgmm on Triton
