@@ -24,7 +24,7 @@ import jax
 from jax.export import DisabledSafetyCheck
 
 from xmoe_jax.config import Config
-from xmoe_jax.kernels.platform import target
+from xmoe_jax.kernels.platform import runtime_platform, target
 from xmoe_jax.sharding import make_mesh
 from xmoe_jax.train import state as tstate
 from xmoe_jax.train.step import batch_sharding, make_train_step
@@ -64,6 +64,12 @@ def export_train_step(cfg: Config, platform: str, num_devices: int | None = None
     checks = [DisabledSafetyCheck.custom_call(name) for name in _ALLOWED_CALLS]
     with _train_step(cfg, platform, num_devices) as (step, args):
         return jax.export.export(step, platforms=[platform], disabled_checks=checks)(*args)
+
+
+def compiled_train_step_text(cfg: Config, num_devices: int | None = None) -> str:
+    """`cfg`'s train step compiled for this host (abstract inputs: nothing runs), as optimized HLO text."""
+    with _train_step(cfg, runtime_platform(), num_devices) as (step, args):
+        return step.lower(*args).compile().as_text()
 
 
 def kernel_calls(module_text: str) -> Counter:
