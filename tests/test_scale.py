@@ -463,3 +463,22 @@ def test_no_conditional_runs_inside_the_layer_scan_or_micro_batch_loop(transport
     assert len(with_cond) == 1 and with_cond[0].startswith("ENTRY"), with_cond
     assert text.count(" conditional(") == 1
     assert sum(" while(" in c for c in computations) >= 2  # the micro-batch loop and the layer scan exist
+
+
+@pytest.mark.slow  # ~30 s: one CPU compile of the whole step
+def test_scan_stacks_report_names_the_exchanges_rows_as_the_largest_stacks():
+    """scripts/scan_stacks.py (issue 35 item 5's table): under save_exchange with push, the forward scan's two
+    largest per-layer stacks are the experts' exchanged rows (the receive buffer, and the rows returned to the
+    sources), each copied into its stack by a dynamic-update-slice on the GPU."""
+    import os
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "scripts/scan_stacks.py"], cwd=repo, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 3 and all("experts/scatter" in row for row in rows[:2]), proc.stdout
