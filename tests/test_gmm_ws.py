@@ -183,9 +183,13 @@ def test_cuda_sends_contiguous_gmm_to_ws_and_indexed_gmm_to_pallas(monkeypatch):
     assert ws.ops == frozenset({"gmm", "tgmm"})  # permute and FP8 run on its fallback, pallas
     # tgmm: the up-projection's dW [2048, 1408] takes the M split; the down-projection's [1408, 2048] stays
     # on pallas (measured slower split along N: defaults.WS_TGMM_CONFIGS)
-    assert ws.shape_reason(backends.Call("tgmm", (x,), 2048, 1408)) is None
-    assert "not whole 256 x 128" in ws.shape_reason(backends.Call("tgmm", (x,), 1408, 2048))
-    assert "pallas gathers on load" in ws.shape_reason(backends.Call("tgmm", (x,), 2048, 1408, indexed=True))
+    dw = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
+    assert ws.shape_reason(backends.Call("tgmm", (x, x, dw), 2048, 1408)) is None
+    assert "not whole 256 x 128" in ws.shape_reason(backends.Call("tgmm", (x, x, dw), 1408, 2048))
+    indexed = backends.Call("tgmm", (x, x, dw), 2048, 1408, indexed=True)
+    assert "pallas gathers on load" in ws.shape_reason(indexed)
+    dw_f32 = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.float32)
+    assert "16-bit gradients" in ws.shape_reason(backends.Call("tgmm", (x, x, dw_f32), 2048, 1408))
 
 
 def test_xmoe_kernels_names_one_backend_for_every_op_or_one_per_op(monkeypatch):

@@ -326,12 +326,27 @@ class WarpSpecialized(Backend):
             return f"it takes its own configs (defaults.WS_CONFIGS), not a tile {call.tile}"
         lhs = call.arrays[0]
         if call.op == "tgmm":
+            if (
+                jnp.dtype(call.arrays[-1].dtype).itemsize != 2
+            ):  # its output tiles and 4 stages fill shared memory
+                return f"it stores 16-bit gradients, not {jnp.dtype(call.arrays[-1].dtype)}"
             config = defaults.ws_tgmm_config(call.k_dim, call.n_dim)
             return ws_tgmm.shape_reason(lhs.dtype, call.k_dim, call.n_dim, lhs.shape[0], config)
         config = defaults.ws_config(call.n_dim)
         return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, config, lhs.shape[0])
 
-    def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, zero_unwritten=False, **rows):
+    def gmm(
+        self,
+        lhs_LK,
+        rhs_EKN,
+        group_sizes_E,
+        *,
+        out_dtype,
+        tile,
+        transpose_rhs=False,
+        zero_unwritten=False,
+        **rows,
+    ):
         del tile, rows  # shape_reason refused tiles and indexed calls
         n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
         out = gmm_ws.gmm_ws(
