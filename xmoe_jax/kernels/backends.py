@@ -335,18 +335,7 @@ class WarpSpecialized(Backend):
         config = defaults.ws_config(call.n_dim)
         return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, config, lhs.shape[0])
 
-    def gmm(
-        self,
-        lhs_LK,
-        rhs_EKN,
-        group_sizes_E,
-        *,
-        out_dtype,
-        tile,
-        transpose_rhs=False,
-        zero_unwritten=False,
-        **rows,
-    ):
+    def gmm(self, lhs_LK, rhs_EKN, group_sizes_E, *, out_dtype, tile, transpose_rhs=False, zero_unwritten=False, **rows):  # fmt: skip
         del tile, rows  # shape_reason refused tiles and indexed calls
         n_dim = rhs_EKN.shape[1] if transpose_rhs else rhs_EKN.shape[2]
         out = gmm_ws.gmm_ws(

@@ -90,21 +90,15 @@ def _kernel(meta_gmem, lhs_gmem, grad_gmem, out_gmem, *, config: WsConfig, num_g
             body,
             grid=(num_blocks,),
             memory_registers=40,
-            in_specs=[
+            in_specs=[  # lhs [tile_k, cta_m] and grad [tile_k, cta_n] blocks, row block k of the group
                 plgpu.BlockSpec(
-                    (tile_k, cta_m),
+                    (tile_k, cols),
                     lambda k: (k, 0),
                     transforms=transforms,
                     memory_space=plgpu.SMEM,
                     delay_release=config.in_flight,
-                ),
-                plgpu.BlockSpec(
-                    (tile_k, cta_n),
-                    lambda k: (k, 0),
-                    transforms=transforms,
-                    memory_space=plgpu.SMEM,
-                    delay_release=config.in_flight,
-                ),
+                )
+                for cols in (cta_m, cta_n)
             ],
             wg_axis="wg",
             num_compute_wgs=2,
