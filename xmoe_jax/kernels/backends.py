@@ -326,12 +326,9 @@ class WarpSpecialized(Backend):
             return f"it takes its own configs (defaults.WS_CONFIGS), not a tile {call.tile}"
         lhs = call.arrays[0]
         if call.op == "tgmm":
-            if (
-                jnp.dtype(call.arrays[-1].dtype).itemsize != 2
-            ):  # its output tiles and 4 stages fill shared memory
-                return f"it stores 16-bit gradients, not {jnp.dtype(call.arrays[-1].dtype)}"
             config = defaults.ws_tgmm_config(call.k_dim, call.n_dim)
-            return ws_tgmm.shape_reason(lhs.dtype, call.k_dim, call.n_dim, lhs.shape[0], config)
+            out = call.arrays[-1]
+            return ws_tgmm.shape_reason(lhs.dtype, call.k_dim, call.n_dim, lhs.shape[0], config, out.dtype)
         config = defaults.ws_config(call.n_dim)
         return gmm_ws.shape_reason(lhs.dtype, call.k_dim, call.n_dim, config, lhs.shape[0])
 

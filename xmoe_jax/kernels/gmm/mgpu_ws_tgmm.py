@@ -37,10 +37,14 @@ import jax.numpy as jnp
 from xmoe_jax.kernels.gmm.mgpu_ws import WsConfig, _num_sms
 
 
-def shape_reason(dtype, m_dim: int, n_dim: int, num_rows: int, config: WsConfig) -> str | None:
-    """Why the kernel cannot take this call, or None."""
+def shape_reason(
+    dtype, m_dim: int, n_dim: int, num_rows: int, config: WsConfig, out_dtype=None
+) -> str | None:
+    """Why the kernel cannot take this call, or None (out_dtype None: the inputs')."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"needs bfloat16/float16 inputs, got {jnp.dtype(dtype)}"
+    if out_dtype is not None and jnp.dtype(out_dtype).itemsize != 2:  # its output tiles beside 4 stages
+        return f"it stores 16-bit gradients, not {jnp.dtype(out_dtype)} (they would not fit shared memory)"
     if num_rows % 8 or num_rows < config.tile_k:
         return f"{num_rows} rows: needs a multiple of 8 and at least tile_k={config.tile_k}"
     if m_dim % config.cta_m or n_dim % config.cta_n:
@@ -210,7 +214,7 @@ def tgmm_ws(
 
     num_rows, m_dim = lhs_RM.shape
     n_dim = grad_RN.shape[1]
-    reason = shape_reason(lhs_RM.dtype, m_dim, n_dim, num_rows, config)
+    reason = shape_reason(lhs_RM.dtype, m_dim, n_dim, num_rows, config, out_dtype)
     if reason or lhs_RM.dtype != grad_RN.dtype or grad_RN.shape[0] != num_rows:
         raise ValueError(f"tgmm_ws: {reason or 'lhs and grad must have the same dtype and rows'}")
     num_groups = group_sizes_E.shape[0]
