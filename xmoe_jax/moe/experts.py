@@ -192,10 +192,22 @@ def _act_down_scatter_bwd(num_out, activation, res, d_MD):
 _act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
 
 
+def _recomputed_act(hidden: tuple, cotangent, activation: str):
+    """(act(hidden), its vjp, cotangent) in a backward pass, the activation computed afresh there.
+
+    hidden passes an optimization barrier with the cotangent: otherwise XLA merges this activation with
+    the forward's (the same op on the same operands: CSE) and keeps the forward's act and its tanh live
+    until the backward reads them back, two [R, F] arrays per layer written, stored and read again; tied
+    to the cotangent, the activation, its gradient and what reads them fuse into one pass over hidden."""
+    *hidden, cotangent = jax.lax.optimization_barrier((*hidden, cotangent))
+    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    return act_RF, act_vjp, cotangent
+
+
 def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str, d_act_RF=None):
     """The down-projection's backward (act and cast recomputed): d hidden per matrix and d w. `d_act_RF`:
     d y W^T when the exchange's kernel computed it already (transports.arrive_gmm)."""
-    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    act_RF, act_vjp, d_MD = _recomputed_act(hidden, d_MD, activation)
     d_MD = d_MD.astype(act_RF.dtype)
     if d_act_RF is None:
         w = w_EFD.astype(act_RF.dtype)
@@ -270,7 +282,7 @@ def _act_down_combine_fwd(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, act
 
 def _act_down_combine_bwd(activation, res, dy_TD):
     hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
-    act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
+    act_RF, act_vjp, dy_TD = _recomputed_act(hidden, dy_TD, activation)
     num_rows, dt = act_RF.shape[0], act_RF.dtype
     tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
     dy_TD = dy_TD.astype(dt)
