@@ -319,26 +319,26 @@ def test_guarded_update_keeps_the_old_state_unless_allowed_and_finite():
     state = opt.init(params)
     yes, no = jnp.ones((), bool), jnp.zeros((), bool)
 
-    new_p, new_o, norm, finite = guarded_update(opt, params, state, grads, yes, bound)
+    new_p, new_o, norm, finite, _ = guarded_update(opt, params, state, grads, yes, bound)
     updates, plain_o = opt.update(grads, state, params)
     assert bool(finite) and np.isclose(float(norm), np.linalg.norm(np.asarray(grads["w"])))
     np.testing.assert_array_equal(new_p["w"], params["w"] + updates["w"])
     for a, b in zip(jax.tree.leaves(new_o), jax.tree.leaves(plain_o), strict=True):
         np.testing.assert_array_equal(a, b)
 
-    kept_p, kept_o, _, finite = guarded_update(opt, params, state, grads, no, bound)
+    kept_p, kept_o, _, finite, _ = guarded_update(opt, params, state, grads, no, bound)
     assert bool(finite)  # finite, but not allowed (a dropless step that overflowed its buffers)
     np.testing.assert_array_equal(kept_p["w"], params["w"])
 
     nan_grads = {"w": grads["w"].at[1, 2].set(jnp.nan)}
-    kept_p, _, _, finite = guarded_update(opt, params, state, nan_grads, yes, bound)
+    kept_p, _, _, finite, _ = guarded_update(opt, params, state, nan_grads, yes, bound)
     assert not bool(finite)
     np.testing.assert_array_equal(kept_p["w"], params["w"])
 
     bad = OptimizerConfig(lr=1e-2, warmup_steps=0)
     object.__setattr__(bad, "lr", float("nan"))  # past validation, which refuses it
     nan_lr = make_optimizer(bad, 10)
-    kept_p, kept_o, _, finite = guarded_update(
+    kept_p, kept_o, _, finite, _ = guarded_update(
         nan_lr, params, nan_lr.init(params), grads, yes, update_bound(bad, 10)
     )
     assert not bool(finite)
@@ -359,14 +359,14 @@ def test_update_bound_holds_for_gradients_of_any_size(clip):
     for scale in [1e17, 1e-30, 1e-30, 1.0, 1e12, 1e-20, 1e-30, 1e3, 1e-30, 1e-30]:
         grads = {"w": jnp.asarray(rng.normal(size=(64,)) * scale, jnp.float32)}
         limit = float(bound(state, optax.tree.norm(grads)))
-        new_p, state, _, finite = guarded_update(opt, params, state, grads, yes, bound)
+        new_p, state, _, finite, _ = guarded_update(opt, params, state, grads, yes, bound)
         assert bool(finite) and np.isfinite(limit)
         step = np.abs(np.asarray(new_p["w"], np.float64) - np.asarray(params["w"], np.float64)).max()
         assert step <= limit * (1 + 1e-6), (scale, step, limit)
         assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in jax.tree.leaves(state))
         params = new_p
     huge = {"w": jnp.full((64,), 1e18, jnp.float32)}  # norm 8e18, above GRAD_CAP
-    kept_p, _, _, finite = guarded_update(opt, params, state, huge, yes, bound)
+    kept_p, _, _, finite, _ = guarded_update(opt, params, state, huge, yes, bound)
     assert bool(finite) == (clip is not None)  # clipped to norm 1 it is an ordinary step
     assert np.isfinite(np.asarray(kept_p["w"])).all()
 

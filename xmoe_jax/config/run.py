@@ -72,6 +72,9 @@ class TrainConfig:
     # the micro-batches' gradient sum: bfloat16 holds it in 2 bytes per parameter instead of 4 (each
     # micro-batch's gradient is rounded to bfloat16 as it is added; benchmarks/grad_accum_cpu.md has the curve)
     grad_accum_dtype: AccumDType = "float32"
+    # keep the matrices the model casts to model.dtype at every use as copies in it, written by the
+    # optimizer step (2 bytes more per parameter; the step reads and casts less: train/weight_copy.py)
+    weight_copy: bool = True
     run_dir: str = "runs/default"
     nan_policy: NanPolicy = "stop"
     peak_tflops: float | None = None  # per device; None = look up by device kind

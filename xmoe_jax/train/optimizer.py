@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from xmoe_jax.config import OptimizerConfig
+from xmoe_jax.train import weight_copy
 
 # leaf names that are not decayed, and why
 NO_DECAY = {"scale": "norm scale", "bq": "bias", "bk": "bias", "bv": "bias", "bias": "bias"}
@@ -190,9 +191,10 @@ def update_bound(cfg: OptimizerConfig, total_steps: int) -> Callable[[object, ja
 
 
 def guarded_update(
-    optimizer: optax.GradientTransformation, params, opt, grads, allowed: jax.Array, bound
+    optimizer: optax.GradientTransformation, params, opt, grads, allowed: jax.Array, bound, weights=None
 ) -> tuple:
-    """One optimizer step, kept only where it is allowed and finite: (params, opt, grad_norm, finite).
+    """One optimizer step, kept only where it is allowed and finite: (params, opt, grad_norm, finite,
+    weights).
 
     `finite`: the gradient norm is finite and `bound` (`update_bound` of the optimizer's config) says
     no update can leave float32's range. The new params and moments replace the old ones where
@@ -204,14 +206,25 @@ def guarded_update(
     the time. A per-element select of new against old (`jnp.where`) made XLA copy both moments
     first in the train step, since the params' update re-reads the old moments the select
     overwrites (benchmarks/optimizer.md).
+
+    `weights`: the params' compute-dtype copies (train/weight_copy.py, None: none), made afresh from
+    the new params in the same branch. A gradient may come in a lower precision than its param (a
+    copied weight's): it is widened where it is read, inside the norm's and the update's passes.
     """
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(weight_copy.widened(grads, params))
     finite = jnp.isfinite(grad_norm) & (bound(opt, grad_norm) < UPDATE_LIMIT)
 
     def apply(args):
-        p, o, g = args
-        updates, new_o = optimizer.update(g, o, p, grad_norm=grad_norm)
-        return optax.apply_updates(p, updates), new_o
+        p, o, g, w = args
+        updates, new_o = optimizer.update(weight_copy.widened(g, p), o, p, grad_norm=grad_norm)
+        new_p = optax.apply_updates(p, updates)
+        return new_p, new_o, weight_copy.refreshed(new_p, w)
 
-    new_params, new_opt = jax.lax.cond(allowed & finite, apply, lambda args: args[:2], (params, opt, grads))
-    return new_params, new_opt, grad_norm, finite
+    def keep(args):
+        p, o, _, w = args
+        return p, o, w
+
+    new_params, new_opt, new_weights = jax.lax.cond(
+        allowed & finite, apply, keep, (params, opt, grads, weights)
+    )
+    return new_params, new_opt, grad_norm, finite, new_weights

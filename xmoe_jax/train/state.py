@@ -5,9 +5,12 @@
     bias    RouterBias pytree    selection-only router biases (aux-loss-free balancing)
     opt     optax state          moments follow their params' sharding
     rng     uint32 key data      `jax.random.key_data` (typed keys are not plain arrays to orbax)
+    weights params' structure    the compute-dtype copies of the params cast at every use, None
+                                 leaves elsewhere (`train.weight_copy`, train/weight_copy.py); None: off
 
-Checkpoints hold `as_dict()` (the plain-dict layout every earlier version wrote), so
-old checkpoints restore into this class unchanged.
+Checkpoints hold `as_dict()` (the plain-dict layout every earlier version wrote, without the
+copies: init and restore make them from the params), so old checkpoints restore into this class
+unchanged.
 
 `build(cfg, mesh)` is the one place a config becomes a train state's layout (model spec ->
 optimizer -> shardings); `StateLayout.init` makes step 0 and `restore` reads a checkpoint into it,
@@ -28,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xmoe_jax.config import Config
 from xmoe_jax.model import functional as fmodel
-from xmoe_jax.train import layout
+from xmoe_jax.train import layout, weight_copy
 from xmoe_jax.train.optimizer import make_optimizer
 
 if TYPE_CHECKING:  # resume.py imports orbax; the planner and the lowering tools build states without it
@@ -45,10 +48,11 @@ class TrainState:
     bias: Any
     opt: Any
     rng: Any
+    weights: Any = None
 
     def as_dict(self) -> dict:
-        """The checkpoint layout."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The checkpoint layout (no weight copies: they are made from the params)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "weights"}
 
     @classmethod
     def from_dict(cls, tree: dict) -> TrainState:
@@ -58,18 +62,23 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def state_shardings(spec: fmodel.ModelSpec, optimizer, mesh: Mesh, fsdp: bool = False) -> TrainState:
-    """NamedShardings of the whole train state; optimizer moments follow their params."""
+def state_shardings(
+    spec: fmodel.ModelSpec, optimizer, mesh: Mesh, fsdp: bool = False, copy=None
+) -> TrainState:
+    """NamedShardings of the whole train state; optimizer moments and weight copies follow their params."""
     params_sh, bias_sh = fmodel.shardings(spec, mesh, fsdp)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(optimizer.init, spec.params_shape)
     opt_sh = optax.tree_map_params(
         optimizer, lambda _, s: s, opt_shape, params_sh, transform_non_params=lambda _: replicated
     )
-    return TrainState(step=replicated, params=params_sh, bias=bias_sh, opt=opt_sh, rng=replicated)
+    weights_sh = weight_copy.shardings(params_sh, spec.params_shape, copy)
+    return TrainState(
+        step=replicated, params=params_sh, bias=bias_sh, opt=opt_sh, rng=replicated, weights=weights_sh
+    )
 
 
-def abstract_state(spec: fmodel.ModelSpec, optimizer, shardings: TrainState) -> TrainState:
+def abstract_state(spec: fmodel.ModelSpec, optimizer, shardings: TrainState, copy=None) -> TrainState:
     """ShapeDtypeStructs (with shardings) of the train state: restore targets."""
     shapes = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
@@ -77,15 +86,22 @@ def abstract_state(spec: fmodel.ModelSpec, optimizer, shardings: TrainState) -> 
         bias=spec.bias_shape,
         opt=jax.eval_shape(optimizer.init, spec.params_shape),
         rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+        weights=weight_copy.copies(spec.params_shape, copy),
     )
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
 def init_state(
-    spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, shardings: TrainState, weights=None
+    spec: fmodel.ModelSpec,
+    optimizer,
+    cfg: Config,
+    mesh: Mesh,
+    shardings: TrainState,
+    weights=None,
+    copy=None,
 ) -> TrainState:
     """Step 0: fresh weights (or the given (params, bias), already placed: an imported model), a
-    fresh optimizer state and the run's RNG."""
+    fresh optimizer state, the run's RNG and the weight copies in `copy` (None: none)."""
     key = jax.random.key(cfg.train.seed)
     init_key, rng = jax.random.split(key)
     if weights is None:
@@ -95,7 +111,15 @@ def init_state(
     opt = jax.jit(optimizer.init, out_shardings=shardings.opt)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     rng = jax.device_put(jax.random.key_data(rng), shardings.rng)
-    return TrainState(step=step, params=params, bias=bias, opt=opt, rng=rng)
+    return with_copies(TrainState(step=step, params=params, bias=bias, opt=opt, rng=rng), shardings, copy)
+
+
+def with_copies(state: TrainState, shardings: TrainState, copy) -> TrainState:
+    """`state` with its params' compute-dtype copies made (none when copy is None)."""
+    if copy is None:
+        return state.replace(weights=None)
+    make = jax.jit(lambda p: weight_copy.copies(p, copy), out_shardings=shardings.weights)
+    return state.replace(weights=make(state.params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,21 +129,23 @@ class StateLayout:
     spec: fmodel.ModelSpec
     optimizer: Any  # optax.GradientTransformation
     shardings: TrainState  # of NamedSharding
+    copy: Any = None  # the weight copies (train/weight_copy.Plan), None: none
 
     def abstract(self) -> TrainState:
         """ShapeDtypeStructs with their shardings: what restores and lowering target."""
-        return abstract_state(self.spec, self.optimizer, self.shardings)
+        return abstract_state(self.spec, self.optimizer, self.shardings, self.copy)
 
     def init(self, cfg: Config, mesh: Mesh, weights=None) -> TrainState:
         """Step 0 (`init_state`): fresh or given (params, bias)."""
-        return init_state(self.spec, self.optimizer, cfg, mesh, self.shardings, weights=weights)
+        return init_state(self.spec, self.optimizer, cfg, mesh, self.shardings, weights, self.copy)
 
 
 def build(cfg: Config, mesh: Mesh) -> StateLayout:
     """The train state's layout for `cfg` (placement resolved: `resolve.resolve_placement`) on `mesh`."""
     spec = fmodel.model_spec(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    return StateLayout(spec, optimizer, state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp))
+    copy = weight_copy.plan(cfg, mesh.size)
+    return StateLayout(spec, optimizer, state_shardings(spec, optimizer, mesh, cfg.mesh.fsdp, copy), copy)
 
 
 def _read(ckpt, state: StateLayout, num_dense_layers: int, steps, data_iter, target: dict, partial: bool):
@@ -150,9 +176,10 @@ def restore(ckpt, state: StateLayout, num_dense_layers: int, steps: int | Candid
     stacks) is read into the stacks."""
     target = state.abstract().as_dict()
     step, tree, per_layer = _read(ckpt, state, num_dense_layers, steps, data_iter, target, partial=False)
-    if not per_layer:
-        return step, TrainState.from_dict(tree)
-    return step, jax.device_put(TrainState.from_dict(tree), state.shardings)
+    restored = TrainState.from_dict(tree)
+    if per_layer:
+        restored = jax.device_put(restored, state.shardings.replace(weights=None))
+    return step, with_copies(restored, state.shardings, state.copy)
 
 
 def restore_weights(ckpt, state: StateLayout, num_dense_layers: int, step: int) -> tuple[Any, Any]:

@@ -35,6 +35,7 @@ from xmoe_jax.model import functional as fmodel
 from xmoe_jax.moe.dispatchers import exchanges_tokens
 from xmoe_jax.moe.router import update_router_bias
 from xmoe_jax.moe.stats import MoEStats, merge_micro
+from xmoe_jax.train import weight_copy
 from xmoe_jax.train.optimizer import guarded_update, update_bound
 from xmoe_jax.train.state import TrainState
 
@@ -104,8 +105,9 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def accumulated(params, bias, batch):
-        """grad_fn over the micro-batches: means of losses and gradients (summed in `accum`), step statistics."""
+    def accumulated(params, masters, bias, batch):
+        """grad_fn over the micro-batches: means of losses and gradients (summed in `accum`, returned in
+        the masters' dtypes), step statistics. One micro-batch: the gradients in `params`' dtypes."""
         if num_micro == 1:
             return grad_fn(params, bias, batch)
 
@@ -119,19 +121,24 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
         grads, (loss_N, (ce_N, aux_N, z_N, mtp_N, stats_N)) = jax.lax.scan(
             one, zeros, _micro_batches(batch, num_micro)
         )
-        grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / num_micro).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: (g.astype(jnp.float32) / num_micro).astype(p.dtype), grads, masters)
         stats = {k: merge_micro(v) for k, v in stats_N.items()}
         return (loss_N.mean(), (ce_N.mean(), aux_N.mean(), z_N.mean(), mtp_N.mean(), stats)), grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict[str, Any]]:
-        (loss, (ce, aux_loss, z_loss, mtp_loss, stats)), grads = accumulated(state.params, state.bias, batch)
+        # the model reads the compute-dtype copies where the state keeps them (train/weight_copy.py); their
+        # gradients come in that dtype, as the GEMMs wrote them
+        params = weight_copy.merged(state.params, state.weights)
+        (loss, (ce, aux_loss, z_loss, mtp_loss, stats)), grads = accumulated(
+            params, state.params, state.bias, batch
+        )
         stacked = stack_layers(stats)
         # dropless: a step whose copies did not all fit the buffers is not a step at all (the
         # trainer reruns it with bigger buffers): nothing moves, not even the step count or RNG
         fits = stacked.num_overflow.sum() == 0 if dropless_exchange else jnp.ones((), bool)
         with jax.named_scope("optimizer"):  # a name the trace breakdown finds (perf/step_breakdown.py)
-            params, opt, grad_norm, update_finite = guarded_update(
-                optimizer, state.params, state.opt, grads, jnp.isfinite(loss) & fits, bound
+            params, opt, grad_norm, update_finite, weights = guarded_update(
+                optimizer, state.params, state.opt, grads, jnp.isfinite(loss) & fits, bound, state.weights
             )
         finite = jnp.isfinite(loss) & update_finite
         ok = finite & fits
@@ -145,6 +152,7 @@ def make_train_step(spec: fmodel.ModelSpec, optimizer, cfg: Config, mesh: Mesh, 
             bias=bias,
             opt=opt,
             rng=jnp.where(fits, new_rng, state.rng),
+            weights=weights,
         )
         metrics = {
             "loss": loss,
