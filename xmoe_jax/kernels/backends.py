@@ -13,8 +13,8 @@ oracle) and pallas (gmm/pallas_fp8.py) run it; triton and mgpu say why they cann
 
 A backend says why it cannot run on this machine at all (`unavailable_reason`: platform,
 missing package) and why it cannot take one call (`shape_reason`: shapes, dtypes, tile), and
-runs the ops it has kernels for (`ops`): "gmm", "tgmm", "gmm_fp8", and "permute" (permute, combine and
-their gather-dot). Row-indexed gmm / tgmm calls (gmm/api.py; `Call.indexed`) run on xla, pallas and
+runs the ops it has kernels for (`ops`): "gmm", "tgmm", "gmm_fp8", "permute" (permute, combine and
+their gather-dot) and "act_grad" (the activation's backward with the routing weight, act_grad/api.py). Row-indexed gmm / tgmm calls (gmm/api.py; `Call.indexed`) run on xla, pallas and
 triton; mgpu refuses them (no TMA gather on Hopper) and hands them to pallas. `choose_backend` starts from the requested backend, or the platform's
 default (defaults.py), and walks `fallback` (mgpu -> pallas -> xla, triton -> pallas -> xla)
 past every backend that cannot run the call, with one warning per distinct reason, so a call
@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from xmoe_jax.kernels import defaults, shapes
+from xmoe_jax.kernels.act_grad import pallas as act_grad_pallas
+from xmoe_jax.kernels.act_grad import xla as act_grad_xla
 from xmoe_jax.kernels.gmm import mgpu as gmm_mgpu
 from xmoe_jax.kernels.gmm import mgpu_ws as gmm_ws
 from xmoe_jax.kernels.gmm import mgpu_ws_tgmm as ws_tgmm
@@ -52,7 +54,7 @@ _MAX_I32 = 2**31 - 1
 class Call(NamedTuple):
     """The static facts of one kernel call that a backend may refuse."""
 
-    op: str  # "gmm", "tgmm", "gmm_fp8" or "permute"
+    op: str  # "gmm", "tgmm", "gmm_fp8", "permute" or "act_grad"
     arrays: tuple  # operands and result (anything with .size and .dtype); arrays[0]'s dtype is the input's
     k_dim: int = 0  # gmm / tgmm: contraction K and output columns N
     n_dim: int = 0
@@ -112,12 +114,16 @@ class Backend:
         """float32 [T, K]: out[t,k] = a[t] . b[dest[t,k]] (the weight gradients)."""
         raise NotImplementedError(f"{self.name} has no gather-dot kernel")
 
+    def act_grad(self, gate_RF, up_RF, u_RF, g_R, activation):
+        """(d gate or None, d up, act * g, s) of the activation's backward (act_grad/api.py)."""
+        raise NotImplementedError(f"{self.name} has no act_grad kernel")
+
 
 class Xla(Backend):
     """jax.lax ragged dots and gathers (gmm/xla.py, permute/xla.py): the oracle and last fallback."""
 
     name = "xla"
-    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute", "act_grad"})
 
     def gmm(
         self,
@@ -158,12 +164,15 @@ class Xla(Backend):
     def gather_dot(self, a_TD, b_RD, dest_TK):
         return permute_xla.gather_dot_xla(a_TD, b_RD, dest_TK)
 
+    def act_grad(self, gate_RF, up_RF, u_RF, g_R, activation):
+        return act_grad_xla.act_grad_xla(gate_RF, up_RF, u_RF, g_R, activation)
+
 
 class Pallas(Backend):
     """Triton-style Pallas kernels (gmm/pallas.py, permute/pallas.py); interpret mode off-GPU."""
 
     name, fallback = "pallas", "xla"
-    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute"})
+    ops = frozenset({"gmm", "tgmm", "gmm_fp8", "permute", "act_grad"})
     gmm_kernel, tgmm_kernel = staticmethod(gmm_pallas.gmm_pallas), staticmethod(gmm_pallas.tgmm_pallas)
 
     def unavailable_reason(self):
@@ -227,6 +236,11 @@ class Pallas(Backend):
     def gather_dot(self, a_TD, b_RD, dest_TK):
         blocks = permute_pallas.BLOCKS["gather_dot"]
         return permute_pallas.gather_dot_pallas(a_TD, b_RD, dest_TK, interpret=interpret(), **blocks)
+
+    def act_grad(self, gate_RF, up_RF, u_RF, g_R, activation):
+        return act_grad_pallas.act_grad_pallas(
+            gate_RF, up_RF, u_RF, g_R, activation, interpret=interpret(), **act_grad_pallas.BLOCKS
+        )
 
 
 class Triton(Pallas):
@@ -351,7 +365,7 @@ class Shapes(Backend):
     """Shape-only stand-ins (shapes.py): for compile-time memory planning on CPU, never for numbers."""
 
     name, fallback = "shapes", "xla"
-    ops = frozenset({"gmm", "tgmm", "permute"})
+    ops = frozenset({"gmm", "tgmm", "permute", "act_grad"})
 
     def unavailable_reason(self) -> str | None:
         return None if shapes.enabled() else "a memory-planning stand-in, on only with XMOE_KERNELS=shapes"
@@ -385,6 +399,16 @@ class Shapes(Backend):
 
     def gather_dot(self, a_TD, b_RD, dest_TK):
         return shapes.opaque(jax.ShapeDtypeStruct(dest_TK.shape, jnp.float32), a_TD, b_RD, dest_TK)
+
+    def act_grad(self, gate_RF, up_RF, u_RF, g_R, activation):
+        rows = jax.ShapeDtypeStruct(up_RF.shape, up_RF.dtype)
+        ins = tuple(a for a in (gate_RF, up_RF, u_RF, g_R) if a is not None)
+        return (
+            None if gate_RF is None else shapes.opaque(rows, *ins),
+            shapes.opaque(rows, *ins),
+            shapes.opaque(rows, *ins),
+            shapes.opaque(jax.ShapeDtypeStruct(g_R.shape, jnp.float32), *ins),
+        )
 
 
 IMPLEMENTATIONS: dict[str, Backend] = {

@@ -22,7 +22,7 @@ from xmoe_jax.kernels.platform import is_hopper, platform
 # up-projection's dW: 1.15-1.20x pallas, the one-GPU step +1.25%; benchmarks/kernels.md, 2026-11-29), else
 # pallas. ws needs Hopper: elsewhere it hands the call to pallas.
 DEFAULT_IMPLEMENTATION = {
-    "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla"},
+    "cpu": {"gmm": "xla", "tgmm": "xla", "gmm_fp8": "xla", "permute": "xla", "act_grad": "xla"},
     "cuda": {
         "gmm": "ws",
         "gmm_indexed": "pallas",
@@ -30,8 +30,15 @@ DEFAULT_IMPLEMENTATION = {
         "tgmm_indexed": "pallas",
         "gmm_fp8": "pallas",
         "permute": "pallas",
+        "act_grad": "xla",
     },
-    "rocm": {"gmm": "pallas", "tgmm": "pallas", "gmm_fp8": "pallas", "permute": "pallas"},  # fp8: untested
+    "rocm": {  # fp8: untested
+        "gmm": "pallas",
+        "tgmm": "pallas",
+        "gmm_fp8": "pallas",
+        "permute": "pallas",
+        "act_grad": "xla",
+    },
 }
 
 # (block_m, block_k, block_n) per (backend, platform) and op. For tgmm block_m is the chunk of

@@ -33,6 +33,8 @@ import numpy as np
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
+from xmoe_jax.kernels.act_grad import act_grad
+from xmoe_jax.kernels.gmm.activation import act_f32
 from xmoe_jax.moe.exchange import no_cotangent
 from xmoe_jax.remat import EXCHANGE_IN, EXPERT_HIDDEN, EXPERT_OUT, tag
 
@@ -41,9 +43,9 @@ if TYPE_CHECKING:
 
 
 def _act(h_gate, h_up, activation: str):
-    if activation == "swiglu":
-        return jax.nn.silu(h_gate) * h_up
-    return jax.nn.gelu(h_up)
+    """silu(gate) * up or gelu(up) (tanh form) in float32, in up's dtype: the expressions act_grad's
+    kernel evaluates (kernels/gmm/activation.py)."""
+    return act_f32(h_gate, h_up, activation).astype(h_up.dtype)
 
 
 def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Array:
@@ -192,14 +194,18 @@ def _act_down_scatter_bwd(num_out, activation, res, d_MD):
 _act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
 
 
-def _recomputed_act(hidden: tuple, cotangent, activation: str):
-    """(act(hidden), its vjp, cotangent) in a backward pass, the activation computed afresh there.
-
-    hidden passes an optimization barrier with the cotangent: otherwise XLA merges this activation with
-    the forward's (the same op on the same operands: CSE) and keeps the forward's act and its tanh live
-    until the backward reads them back, two [R, F] arrays per layer written, stored and read again; tied
-    to the cotangent, the activation, its gradient and what reads them fuse into one pass over hidden."""
+def _tied(hidden: tuple, cotangent) -> tuple:
+    """(hidden, cotangent) through one optimization barrier, for a backward pass that recomputes the
+    activation from hidden: otherwise XLA merges that activation with the forward's (the same op on the
+    same operands: CSE) and keeps the forward's act and its tanh live until the backward reads them
+    back, two [R, F] arrays per layer written, stored and read again (benchmarks/train_step.md)."""
     *hidden, cotangent = jax.lax.optimization_barrier((*hidden, cotangent))
+    return tuple(hidden), cotangent
+
+
+def _recomputed_act(hidden: tuple, cotangent, activation: str):
+    """(act(hidden), its vjp, cotangent) in a backward pass, the activation computed afresh there (`_tied`)."""
+    hidden, cotangent = _tied(hidden, cotangent)
     act_RF, act_vjp = jax.vjp(lambda *h: _act(*h, activation), *hidden)
     return act_RF, act_vjp, cotangent
 
@@ -282,8 +288,8 @@ def _act_down_combine_fwd(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, act
 
 def _act_down_combine_bwd(activation, res, dy_TD):
     hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
-    act_RF, act_vjp, dy_TD = _recomputed_act(hidden, dy_TD, activation)
-    num_rows, dt = act_RF.shape[0], act_RF.dtype
+    hidden, dy_TD = _tied(hidden, dy_TD)
+    num_rows, dt = hidden[1].shape[0], hidden[1].dtype
     tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
     dy_TD = dy_TD.astype(dt)
     u_RF = gmm(
@@ -291,14 +297,12 @@ def _act_down_combine_bwd(activation, res, dy_TD):
     )
     rows_A = dest_TK.reshape(-1)
     g_R = jnp.zeros((num_rows,), jnp.float32).at[rows_A].set(weights_TK.reshape(-1), mode="drop")
-    # rows past sum(group_sizes) of u and act are unspecified; only valid rows are gathered from s
-    s_R = jnp.sum(u_RF.astype(jnp.float32) * act_RF.astype(jnp.float32), axis=-1)
+    # d hidden, act * g (d w's operand) and s = <u, act> (d weights) in one pass over the rows (act_grad);
+    # rows past sum(group_sizes) of u and hidden are unspecified; only valid rows are gathered from s
+    d_hidden, wact_RF, s_R = act_grad(hidden, u_RF, g_R, activation)
     dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
-    d_act_RF = (u_RF.astype(jnp.float32) * g_R[:, None]).astype(dt)
-    dw_EFD = tgmm(
-        (act_RF.astype(jnp.float32) * g_R[:, None]).astype(dt), dy_TD, group_sizes_E, grad_rows_R=tok_R
-    )
-    return act_vjp(d_act_RF), dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
+    dw_EFD = tgmm(wact_RF, dy_TD, group_sizes_E, grad_rows_R=tok_R)
+    return d_hidden, dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
 
 
 _act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)

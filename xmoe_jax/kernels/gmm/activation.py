@@ -33,13 +33,20 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
+def _tanh(x):
+    """tanh through one exp and a division (exact at +-inf, 1e-7 absolute near 0): Triton lowers
+    jnp.tanh to libdevice's, which made act_grad's GELU kernel compute-bound at a third of the memory
+    bandwidth on an H200 (benchmarks/kernels.md); XLA lowers its own approximation either way."""
+    return 2.0 / (1.0 + jnp.exp(-2.0 * x)) - 1.0
+
+
 def act_f32(gate, up, activation: str):
     """silu(gate) * up, or gelu(up) (gate None), in float32."""
     up = up.astype(jnp.float32)
     if activation == "swiglu":
         gate = gate.astype(jnp.float32)
         return gate * _sigmoid(gate) * up
-    t = jnp.tanh(_GELU_C * (up + _GELU_A * up * up * up))
+    t = _tanh(_GELU_C * (up + _GELU_A * up * up * up))
     return 0.5 * up * (1.0 + t)
 
 
@@ -51,7 +58,7 @@ def act_grad_f32(gate, up, d_act, activation: str):
         s = _sigmoid(gate)
         return d_act * up * s * (1.0 + gate * (1.0 - s)), d_act * gate * s
     inner = _GELU_C * (up + _GELU_A * up * up * up)
-    t = jnp.tanh(inner)
+    t = _tanh(inner)
     slope = 0.5 * (1.0 + t) + 0.5 * up * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * up * up)
     return None, d_act * slope
 
