@@ -172,3 +172,20 @@ def test_a_restored_state_makes_its_copies_from_the_params(tmp_path):
     for a, b in zip(jax.tree.leaves(restored.weights), jax.tree.leaves(state.weights), strict=True):
         assert a.dtype == b.dtype == jnp.bfloat16 and a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_the_planner_counts_the_copies():
+    """xmoe-plan's state bytes per parameter: the copies, and their gradients in bf16."""
+    from xmoe_jax.plan import state_bytes_per_param
+
+    cfg = _cfg("configs/tiny.yaml", True, "model.dtype=bfloat16")
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state = tstate.build(cfg, mesh).abstract()
+    got = state_bytes_per_param(cfg, state)
+    total = sum(x.size for x in jax.tree.leaves(state.params))
+    copied = sum(x.size for x in jax.tree.leaves(state.weights))
+    assert 0 < copied < total
+    assert got["copies"] == pytest.approx(2 * copied / total)
+    assert got["gradients"] == pytest.approx(4 - 2 * copied / total)
+    without = state_bytes_per_param(cfg, tstate.build(_cfg("configs/tiny.yaml", False), mesh).abstract())
+    assert "copies" not in without and without["gradients"] == pytest.approx(4)

@@ -39,6 +39,7 @@ import numpy as np
 from xmoe_jax import sharding
 from xmoe_jax.config import Config, MeshShape
 from xmoe_jax.moe.dispatchers import exchanges_tokens
+from xmoe_jax.train import weight_copy
 
 GiB = 2**30
 
@@ -135,20 +136,24 @@ class Plan:
 def state_bytes_per_param(cfg: Config, state) -> dict[str, float]:
     """The train state in bytes per parameter (per device: sharding cancels out): `params` (their
     dtype), `moments` (AdamW's two, in optimizer.state_dtype, with its step counter), `gradients`
-    (the params' dtype) and `accumulators` (sums of micro-batch gradients in train.grad_accum_dtype
-    with train.micro_batch_size < batch_size, train/step.py; 0 without)."""
+    (the params' dtype; a copied weight's in its copy's) and `accumulators` (sums of micro-batch gradients
+    in train.grad_accum_dtype with train.micro_batch_size < batch_size, train/step.py; 0 without); with
+    `train.weight_copy` in effect (one device), `copies` (the bf16 copies, train/weight_copy.py) too."""
     count = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params))
     micro = cfg.train.micro_batch_size
-    return {
+    out = {
         "params": _per_device(state.params) / count,
         "moments": _per_device(state.opt) / count,
-        "gradients": _per_device(state.params) / count,
+        "gradients": _per_device(weight_copy.merged(state.params, state.weights)) / count,
         "accumulators": (
             float(jax.numpy.dtype(cfg.train.grad_accum_dtype).itemsize)
             if micro is not None and micro < cfg.train.batch_size
             else 0.0
         ),
     }
+    if state.weights is not None:
+        out["copies"] = _per_device(state.weights) / count
+    return out
 
 
 def advise(cfg: Config, plan: Plan) -> list[str]:
