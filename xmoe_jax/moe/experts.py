@@ -34,7 +34,6 @@ from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
 from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
 from xmoe_jax.kernels.act_grad import act_grad
-from xmoe_jax.kernels.gmm.activation import act_f32
 from xmoe_jax.moe.exchange import no_cotangent
 from xmoe_jax.remat import EXCHANGE_IN, EXPERT_HIDDEN, EXPERT_OUT, tag
 
@@ -43,9 +42,12 @@ if TYPE_CHECKING:
 
 
 def _act(h_gate, h_up, activation: str):
-    """silu(gate) * up or gelu(up) (tanh form) in float32, in up's dtype: the expressions act_grad's
-    kernel evaluates (kernels/gmm/activation.py)."""
-    return act_f32(h_gate, h_up, activation).astype(h_up.dtype)
+    """silu(gate) * up or gelu(up) (tanh form), in up's dtype. The combine's backward evaluates it
+    in float32 (act_grad); written here in float32 too, the arrival paths' autodiff of it held 11 MB
+    more temporaries on the remat test's tiny model (tests/test_scale.py), so it stays jax.nn's."""
+    if activation == "swiglu":
+        return jax.nn.silu(h_gate) * h_up
+    return jax.nn.gelu(h_up)
 
 
 def batched_experts(x_ECD: jax.Array, experts: dict, activation: str) -> jax.Array:
