@@ -124,7 +124,7 @@ def evaluate_checkpoint(
         if saved is not None:  # a --set model.* must not make other parameters
             check_compatible(saved, cfg)
         cfg = resolve_placement(cfg, exchange_devices(mesh))
-        layout = tstate.build(cfg, mesh)
+        layout = dataclasses.replace(tstate.build(cfg, mesh), copy=None)  # eval reads the masters: no copies
         _, state = tstate.restore(ckpt, layout, cfg.model.num_dense_layers, step)
         spec, shardings = layout.spec, layout.shardings
         return Evaluator(batches, spec, cfg, mesh, shardings).run(state, step)
