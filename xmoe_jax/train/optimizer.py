@@ -78,12 +78,9 @@ def lr_on_host(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]
 
 def decay_mask(params):
     """True for the leaves weight decay applies to (module docstring): all but norm scales and biases."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) not in NO_DECAY, params)
-
-
-def _leaf_name(path: tuple) -> str:
-    key = path[-1]
-    return str(getattr(key, "key", getattr(key, "name", key)))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: weight_copy.leaf_name(path) not in NO_DECAY, params
+    )
 
 
 def scale_by_adam_stored_as(dtype, b1: float, b2: float, eps: float) -> optax.GradientTransformation:

@@ -61,7 +61,8 @@ def plan(cfg: Config, devices: int) -> Plan | None:
     return Plan(jnp.dtype(model.dtype), frozenset(names))
 
 
-def _name(path: tuple) -> str:
+def leaf_name(path: tuple) -> str:
+    """A param leaf's own name (its last key): what the copies and the optimizer's decay mask go by."""
     key = path[-1]
     return str(getattr(key, "key", getattr(key, "name", key)))
 
@@ -72,7 +73,7 @@ def copies(params, copy: Plan | None) -> Any:
         return None
 
     def one(path, p):
-        if _name(path) not in copy.names:
+        if leaf_name(path) not in copy.names:
             return None
         if isinstance(p, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(p.shape, copy.dtype, sharding=p.sharding)
@@ -86,7 +87,7 @@ def shardings(params_sh, params_shape, copy: Plan | None) -> Any:
     if copy is None:
         return None
     return jax.tree_util.tree_map_with_path(
-        lambda path, _, sh: sh if _name(path) in copy.names else None, params_shape, params_sh
+        lambda path, _, sh: sh if leaf_name(path) in copy.names else None, params_shape, params_sh
     )
 
 

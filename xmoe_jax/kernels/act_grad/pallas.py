@@ -18,17 +18,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from xmoe_jax.kernels.gmm.activation import act_f32, act_grad_f32
+from xmoe_jax.kernels.permute.pallas import _store  # masked flat stores, safe in interpret mode
 
 # rows and columns per chunk, warps (any value is correct; scripts/bench_act_grad.py times them)
 BLOCKS = dict(block_rows=16, block_f=256, num_warps=4)
-
-
-def _store(ref, addr, val, mask, interpret: bool):
-    """Masked store to flat addresses; in interpret mode masked lanes aim past the end (dropped), as
-    permute/pallas.py's store does, so that they never write an old value over a real one."""
-    if interpret:
-        addr = jnp.where(mask, addr, ref.shape[0])
-    plgpu.store(ref.at[addr], val, mask=mask)
 
 
 def _kernel(*refs, num_rows, f_dim, br, bf, gated, interpret):
