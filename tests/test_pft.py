@@ -442,6 +442,47 @@ def test_the_backward_computes_the_activation_afresh() -> None:
     assert (combined, arrived) == (2, 2)
 
 
+@pytest.mark.parametrize("path", ["combined", "arrived"])
+def test_the_down_projections_backward_gathers_dy_once_where_xla_gathers(path: str, monkeypatch) -> None:
+    """Where XLA gathers tgmm's rows (defaults.TGMM_GATHER_IN_KERNEL: CUDA, ROCm), the down-projection's
+    backward gathers dy's rows once for both its GEMMs (kernels.shared_rows): d act = dy[rows] W^T reads
+    the grouped copy that d W's tgmm reads, so only the forward's up-projection gathers on load (on
+    Hopper the plain gmm runs on ws; the gathering one on Pallas). The gradients are the in-kernel
+    gather's. Fails with the index passed on to the d act gmm (two gathering gmm calls, not one)."""
+    from xmoe_jax.kernels import defaults
+    from xmoe_jax.kernels.gmm import api
+    from xmoe_jax.moe.experts import arrival_experts, combined_experts
+
+    experts, x_MD, arrival_R, gs_L, cot_MD, received = _in_place_args("gelu", False)[0]
+    T, K = 16, 2
+    dest_TK = jax.random.permutation(jax.random.key(5), T * K).reshape(T, K).astype(jnp.int32)
+    gs_E = jnp.full(gs_L.shape, T * K // gs_L.shape[0], jnp.int32)
+    x_TD = jax.random.normal(jax.random.key(6), (T, x_MD.shape[1]))
+    w_TK = jax.random.uniform(jax.random.key(7), (T, K))
+    if path == "combined":
+        x, loss = x_TD, lambda x, e: (combined_experts(x, dest_TK, T * K, e, gs_E, "gelu", w_TK) ** 2).sum()
+    else:
+        x, loss = (
+            x_MD,
+            lambda x, e: (arrival_experts(x, arrival_R, e, gs_L, "gelu") * cot_MD * received[:, None]).sum(),
+        )
+    gathering, inner = [], api._gmm_impl
+
+    def spy(lhs, rhs, gs, lhs_rows, out_rows, st):
+        gathering.append(lhs_rows is not None and out_rows is None)
+        return inner(lhs, rhs, gs, lhs_rows, out_rows, st)
+
+    monkeypatch.setattr(api, "_gmm_impl", spy)
+    grads = {}
+    for in_kernel in (True, False):
+        monkeypatch.setitem(defaults.TGMM_GATHER_IN_KERNEL, "cpu", in_kernel)
+        gathering.clear()
+        grads[in_kernel] = jax.grad(loss, argnums=(0, 1))(x, experts)
+        assert sum(gathering) == (2 if in_kernel else 1), (in_kernel, gathering)
+    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        assert rel_err(a, b) < 1e-6
+
+
 # ----------------------------------------------------------------------------- push: the return inside the down-projection
 
 

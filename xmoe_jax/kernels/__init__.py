@@ -30,7 +30,7 @@ Files, one folder per op:
 
 from xmoe_jax.kernels.backends import IMPLEMENTATIONS
 from xmoe_jax.kernels.defaults import DEFAULT_IMPLEMENTATION, default_implementation
-from xmoe_jax.kernels.gmm import gmm, tgmm
+from xmoe_jax.kernels.gmm import gmm, shared_rows, tgmm
 from xmoe_jax.kernels.permute import combine, permute, token_rows
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "default_implementation",
     "gmm",
     "permute",
+    "shared_rows",
     "tgmm",
     "token_rows",
 ]

@@ -32,7 +32,7 @@ import numpy as np
 
 from xmoe_jax.fp8 import context as fp8_context
 from xmoe_jax.fp8 import dot_fp8, gmm_fp8
-from xmoe_jax.kernels import combine, gmm, permute, tgmm, token_rows
+from xmoe_jax.kernels import combine, gmm, permute, shared_rows, tgmm, token_rows
 from xmoe_jax.kernels.act_grad import act_grad
 from xmoe_jax.moe.exchange import no_cotangent
 from xmoe_jax.remat import EXCHANGE_IN, EXPERT_HIDDEN, EXPERT_OUT, tag
@@ -218,6 +218,7 @@ def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str
     act_RF, act_vjp, d_MD = _recomputed_act(hidden, d_MD, activation)
     d_MD = d_MD.astype(act_RF.dtype)
     if d_act_RF is None:
+        d_MD, arrival_R = shared_rows(d_MD, arrival_R)  # one gather for both GEMMs where XLA gathers
         w = w_EFD.astype(act_RF.dtype)
         d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
     dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
@@ -293,9 +294,9 @@ def _act_down_combine_bwd(activation, res, dy_TD):
     hidden, dy_TD = _tied(hidden, dy_TD)
     num_rows, dt = hidden[1].shape[0], hidden[1].dtype
     tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
-    dy_TD = dy_TD.astype(dt)
+    dy_RD, rows_R = shared_rows(dy_TD.astype(dt), tok_R)  # one gather for both GEMMs where XLA gathers
     u_RF = gmm(
-        dy_TD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True, lhs_rows_R=tok_R, zero_unwritten=False
+        dy_RD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True, lhs_rows_R=rows_R, zero_unwritten=False
     )
     rows_A = dest_TK.reshape(-1)
     g_R = jnp.zeros((num_rows,), jnp.float32).at[rows_A].set(weights_TK.reshape(-1), mode="drop")
@@ -303,7 +304,7 @@ def _act_down_combine_bwd(activation, res, dy_TD):
     # rows past sum(group_sizes) of u and hidden are unspecified; only valid rows are gathered from s
     d_hidden, wact_RF, s_R = act_grad(hidden, u_RF, g_R, activation)
     dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
-    dw_EFD = tgmm(wact_RF, dy_TD, group_sizes_E, grad_rows_R=tok_R)
+    dw_EFD = tgmm(wact_RF, dy_RD, group_sizes_E, grad_rows_R=rows_R)
     return d_hidden, dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
 
 

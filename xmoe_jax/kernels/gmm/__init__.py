@@ -1,5 +1,5 @@
 """Grouped GEMMs: `gmm` (forward, and gmm's input gradient) and `tgmm` (its weight gradient)."""
 
-from xmoe_jax.kernels.gmm.api import gmm, tgmm
+from xmoe_jax.kernels.gmm.api import gmm, shared_rows, tgmm
 
-__all__ = ["gmm", "tgmm"]
+__all__ = ["gmm", "shared_rows", "tgmm"]

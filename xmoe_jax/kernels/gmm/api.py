@@ -95,6 +95,18 @@ def gathered(x_XK, rows_R):
     return x_XK if rows_R is None else gather_rows(x_XK, rows_R)
 
 
+def shared_rows(x_XK, rows_R):
+    """(x, rows) for a gmm and a tgmm that read the same rows of x through one index (the backward of
+    a down-projection: d act = dy[rows] W^T and d W = act^T dy[rows]). Where XLA gathers tgmm's rows
+    anyway (`defaults.tgmm_gathers_in_kernel` False: CUDA, ROCm), they are gathered once here and both
+    GEMMs read the grouped copy, so the gmm runs on the plain kernel (ws on Hopper, which has no
+    gather) instead of gathering the same rows a second time on load; elsewhere the index goes on
+    to the kernels."""
+    if rows_R is None or defaults.tgmm_gathers_in_kernel():
+        return x_XK, rows_R
+    return gathered(x_XK, rows_R), None
+
+
 def _tgmm_impl(lhs_LK, grad_GN, group_sizes_E, lhs_rows_R, grad_rows_R, impl, out_dt, tile):
     """Run one weight-gradient grouped GEMM on `impl` (None: platform default) or its fallback."""
     e_dim, k_dim, n_dim = group_sizes_E.shape[0], lhs_LK.shape[1], grad_GN.shape[1]
