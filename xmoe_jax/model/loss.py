@@ -56,27 +56,11 @@ def chunked_cross_entropy(h_BSD, w_DV, targets_BS, chunk: int, constrain=None, w
     return _weighted_ce(h_BSD, w_DV, targets_BS, scale_BS, (chunk_size(seq, chunk), shards), constrain)
 
 
-def _merge(a, b):
-    """Two partial (max, sum of exp(x - max)) pairs as one; a max of -inf (nothing seen) keeps its sum 0."""
-    (m_a, s_a), (m_b, s_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-
-    def rescaled(m_i, s_i):  # s_i * exp(m_i - m), without exp(-inf - -inf)
-        return jnp.where(m_i == m, s_i, s_i * jnp.exp(m_i - m))
-
-    return m, rescaled(m_a, s_a) + rescaled(m_b, s_b)
-
-
-def logsumexp(x):
-    """log(sum(exp(x))) over the last axis in one pass over x (float32): one variadic reduction carries the
-    running max and the sum of exp(x - max) (the online softmax's merge), where jax.nn.logsumexp reads x
-    twice, once for the max and once for the sum. Each chunk's logits are the largest array the loss
-    touches: [B, C, V] floats, read here, then once more for d logits. Equals jax.nn.logsumexp to float32
-    rounding (tests/test_loss.py); finite x only (the logits are)."""
-    x = x.astype(jnp.float32)
-    init = (jnp.float32(-jnp.inf), jnp.float32(0))
-    m, s = jax.lax.reduce((x, jnp.ones_like(x)), init, _merge, (x.ndim - 1,))
-    return m + jnp.log(s)
+def _logsumexp(logits):
+    """Over the vocab axis. XLA makes it two passes over the chunk's logits (max, then sum of exp). One
+    variadic reduction carrying both (the online softmax's merge) saves a read but lost on an H100: the
+    loss took 9.35 ms over its GEMMs against 8.72 (scripts/bench_loss.py, benchmarks/train_step.md)."""
+    return jax.nn.logsumexp(logits, axis=-1)
 
 
 def _chunks(x_BS, c: int, shards: int):
@@ -102,7 +86,7 @@ def _scan(h_BSD, w_DV, t_BS, scale_BS, split: tuple[int, int], constrain, grads:
         total_P, dw_PDV = carry
         h_PbCD, t_PbC, s_PbC = xs
         logits_PbCV = pin(jnp.einsum("pbcd,dv->pbcv", h_PbCD, w_DV).astype(jnp.float32), names)
-        lse_PbC = logsumexp(logits_PbCV)
+        lse_PbC = _logsumexp(logits_PbCV)
         target_PbC = jnp.take_along_axis(logits_PbCV, t_PbC[..., None], axis=-1)[..., 0]
         total_P = total_P + jnp.sum((lse_PbC - target_PbC) * s_PbC, axis=(1, 2))
         if not grads:
