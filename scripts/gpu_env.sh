@@ -14,7 +14,8 @@
 #   env_record FILE                            the machine: GPUs, driver, commit, jax (and torch), date
 #   read_trace PROFILE BASE [PNG]              a profile's reports: scripts/kernel_overlap.py -> BASE.overlap.json/.txt,
 #                                              scripts/step_breakdown.py -> BASE.breakdown.json/.md (PNG: its plot);
-#                                              then the trace (tens of MB) is removed (KEEP_TRACE=1 keeps it)
+#                                              then the trace (tens of MB) is removed (KEEP_TRACE=1 keeps it);
+#                                              TRACE_HLO=FILE: the step's optimized HLO names what the trace does not
 #   pack NAME DIR                              DIR into $OUT/NAME.tgz, DIR removed; over 15 MB (the device tool brings
 #                                              back 16 MiB a file) its profile traces are left out
 #   summary                                    the short table (scripts/gpu_summary.py) and steps.txt
@@ -95,7 +96,7 @@ read_trace() {  # profile base [png]: the trace's overlap and breakdown reports,
   [ -d "$profile" ] || return 0
   python3 scripts/kernel_overlap.py "$profile" --out "$base.overlap.json" > "$base.overlap.txt" 2>&1
   python3 scripts/step_breakdown.py "$profile" --steps 2 --out "$base.breakdown.json" ${png:+--plot "$png"} \
-    > "$base.breakdown.md" 2>&1
+    ${TRACE_HLO:+--hlo "$TRACE_HLO"} > "$base.breakdown.md" 2>&1
   [ -n "${KEEP_TRACE:-}" ] || rm -rf "$profile"
 }
 pack() {  # name dir: $OUT/name.tgz holds dir (under its own name); dir removed

@@ -158,6 +158,37 @@ def test_categories_union_priority_and_exchange_sum_to_the_window(tmp_path):
     assert "optimizer & update > recompute > attention" in table
 
 
+def test_the_step_hlo_names_the_kernels_the_trace_names_by_program_only(tmp_path, capsys):
+    """A multi-output fusion carries only the program's name in the trace (`jit(step)`), so the top-level
+    rule counts it as the optimizer (on one H200, XLA's gather of tgmm's rows). `--hlo` (the step's
+    optimized HLO) gives it its instruction's op_name: here an experts' gather in the backward pass,
+    other compute; kernels the trace names are left as they are."""
+    from xmoe_jax.perf.hlo import op_names
+
+    hlo = "\n".join(
+        [
+            "HloModule jit_step, entry_computation_layout={()->()}",
+            "  %fusion.7 = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) fusion(%p.1, %p.2), kind=kLoop, calls=%fused_select, "
+            'metadata={op_name="jit(step)/transpose(jvp())/eval_jaxpr/experts/jit(_take)/select_n"}',
+            '  ROOT %fusion.1 = f32[8]{0} fusion(%p.3), kind=kLoop, calls=%c, metadata={op_name="jit(step)/optimizer/add"}',
+        ]
+    )
+    names = op_names(hlo)
+    assert (
+        names["fusion.7"].endswith("experts/jit(_take)/select_n")
+        and names["fusion.1"] == "jit(step)/optimizer/add"
+    )
+    folder = str(_step_trace().write(tmp_path / "profile"))
+    gpu = sb.breakdown(folder, steps=2, hlo_names=names)["gpus"]["GPU0"]
+    moved = {**EXPECTED, "optimizer": 0.0, "other_compute": 0.5}
+    assert gpu["ms"] == pytest.approx({c: v / 2 for c, v in moved.items()})
+    (tmp_path / "step.txt").write_text(hlo)
+    assert _run_script([folder, "--steps", "2", "--hlo", str(tmp_path / "step.txt")]) == 0
+    assert "| optimizer & update | 0.00 |" in capsys.readouterr().out
+    assert _run_script([folder, "--steps", "2", "--hlo", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
 def test_step_count_from_the_host_dispatches_and_the_mean_over_gpus(tmp_path):
     t = _step_trace()
     # a second GPU: GEMMs for 10 of the same 11 ms

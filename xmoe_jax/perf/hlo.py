@@ -4,7 +4,8 @@ Counts every collective op in the optimized module and the bytes of its result
 shape(s): for all-to-all that is the buffer each device exchanges (including the
 slice it keeps), for all-gather the gathered result, for reduce-scatter the
 scattered piece, for all-reduce the reduced buffer. `scheduled_ops` lists the collectives
-and dots of a compiled (scheduled) module in the order they run.
+and dots of a compiled (scheduled) module in the order they run. `op_names` maps each
+instruction to the JAX name stack its metadata carries (for a trace that lacks it).
 """
 
 from __future__ import annotations
@@ -117,3 +118,13 @@ def scheduled_ops(hlo_text: str) -> list[tuple[str, str]]:
         elif op == "dot" or op_name.endswith(("dot_general", "ragged_dot")):
             out.append(("dot", op_name))
     return out
+
+
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?\bmetadata=\{[^}\n]*?\bop_name="([^"]*)"', re.M)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """{instruction: the JAX name stack in its metadata} over a module's text (`op_name="jit(step)/..."`).
+    A GPU trace names some kernels by their program only (a multi-output fusion that merges ops of several
+    places); the optimized HLO still holds the op_name XLA gave the fusion (perf/step_breakdown.py)."""
+    return {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}

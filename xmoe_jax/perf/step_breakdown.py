@@ -283,8 +283,25 @@ def _label(path: str, folder: str, plane_name: str, index: int, several: bool) -
     return f"{first if first.startswith('process_') else f'file{index}'}/{gpu}"
 
 
-def breakdown(folder: str, steps: int | None = None, module: str | None = None) -> dict:
-    """The report of every trace file under `folder`: per GPU and the mean over GPUs."""
+def named_from_hlo(plane: PlaneTrace, names: dict[str, str]) -> tuple[PlaneTrace, int]:
+    """The plane with every kernel that the trace names by its program only (`jit(step)`) or not at all
+    given the name stack of its HLO instruction (`perf.hlo.op_names` of the step's optimized HLO), and
+    how many kernels that renamed. Such a kernel is a multi-output fusion (XLA's gather of several
+    layers' rows) that `_category`'s top-level rule would count as the optimizer."""
+    renamed, kernels = 0, []
+    for k in plane.kernels:
+        found = names.get(k.hlo_op) if (k.stack is None or "/" not in k.stack) else None
+        if found and "/" in found:
+            k, renamed = k._replace(stack=found), renamed + 1
+        kernels.append(k)
+    return plane._replace(kernels=kernels), renamed
+
+
+def breakdown(
+    folder: str, steps: int | None = None, module: str | None = None, hlo_names: dict[str, str] | None = None
+) -> dict:
+    """The report of every trace file under `folder`: per GPU and the mean over GPUs. `hlo_names`
+    (`perf.hlo.op_names` of the step's optimized HLO) names the kernels the trace names by program only."""
     if steps is not None and steps < 1:
         raise TraceError(f"--steps {steps}: the number of traced steps must be at least 1")
     loaded = read_trace(folder)
@@ -293,6 +310,11 @@ def breakdown(folder: str, steps: int | None = None, module: str | None = None) 
     for index, (path, profile, planes) in enumerate(loaded):
         host = host_dispatches(profile, mod or "")
         for plane_name, pt in planes:
+            if hlo_names:
+                pt, renamed = named_from_hlo(pt, hlo_names)
+                notes.append(
+                    f"{plane_name}: {renamed} kernels named from the HLO (the trace named their program only)"
+                )
             if not pt.kernels:
                 notes.append(f"{path}:{plane_name} holds no kernels; left out")
                 continue
