@@ -210,7 +210,8 @@ def test_fused_activation_kernels_lower_through_triton_for_rocm(monkeypatch):
 
 def test_on_hopper_the_up_projections_weight_gradient_lowers_to_our_ws_tgmm():
     """The train step exported for CUDA as on a Hopper GPU (the device query answered; nothing runs):
-    the contiguous expert GEMMs and the up-projections' weight gradient (gate and up concatenated,
+    the contiguous expert GEMMs (and the down-projection's d act, on the rows gathered for its tgmm), and the
+    up-projections' weight gradient (gate and up concatenated,
     [256, 256]) are our Mosaic-GPU `ws` kernels, the down-projection's ([128, 256], which its 256 x 128
     tile does not divide) stays a Triton tgmm (kernels/defaults.py: WS_TGMM_CONFIGS)."""
     from xmoe_jax.kernels import platform as kernel_platform
@@ -244,4 +245,7 @@ def test_on_hopper_the_up_projections_weight_gradient_lowers_to_our_ws_tgmm():
     assert tgmms == {(256, 256, "ws"): 1, (128, 256, "pallas"): 1}, tgmms
     calls = kernel_calls(module)
     mosaic = sum(count for name, count in calls.items() if name.startswith("mosaic_gpu"))
-    assert mosaic == 3 and calls["xmoe_tgmm"] == 1, calls  # 2 ws gmm + the ws tgmm; the other tgmm on Triton
+    # 3 ws gmm (the down-projection, the up-projections' d x, and the down-projection's d act, which reads the
+    # dy rows XLA gathers for its tgmm: kernels.shared_rows) + the ws tgmm; the other tgmm on Triton, and the
+    # forward's two up-projections gather on load (Triton)
+    assert mosaic == 4 and calls["xmoe_tgmm"] == 1 and calls["xmoe_gmm"] == 2, calls

@@ -120,11 +120,13 @@ def scheduled_ops(hlo_text: str) -> list[tuple[str, str]]:
     return out
 
 
-_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?\bmetadata=\{[^}\n]*?\bop_name="([^"]*)"', re.M)
+_INSTRUCTION_OP_NAME = re.compile(
+    r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^\n]*?\bmetadata=\{[^}\n]*?\bop_name="([^"]*)"', re.M
+)
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
     """{instruction: the JAX name stack in its metadata} over a module's text (`op_name="jit(step)/..."`).
     A GPU trace names some kernels by their program only (a multi-output fusion that merges ops of several
     places); the optimized HLO still holds the op_name XLA gave the fusion (perf/step_breakdown.py)."""
-    return {m.group(1): m.group(2) for m in _OP_NAME.finditer(hlo_text)}
+    return {m.group(1): m.group(2) for m in _INSTRUCTION_OP_NAME.finditer(hlo_text)}
