@@ -110,6 +110,20 @@ def test_attention_backends_agree_with_gqa_and_gradients():
     assert any("cudnn" in str(w.message) for w in seen)
 
 
+def test_pallas_attention_falls_back_to_xla_where_jax_no_longer_ships_it(monkeypatch):
+    """jax 0.12.1 removed jax.experimental.pallas.ops.gpu.attention: `pallas` (ROCm's `auto` pick) then runs
+    XLA's attention and says why once, instead of failing at the import inside the step."""
+    from xmoe_jax.model import attention
+
+    monkeypatch.setattr(attention, "pallas_attention_module", lambda: None)
+    attention._warn_once.cache_clear()  # said once per process: an earlier test may have said it
+    q = jnp.ones((1, 128, 2, 16))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert choose("pallas", q, q) == "xla"
+    assert any("no longer ships" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+
 @pytest.mark.slow  # ~13 s; the backends agree: test_attention_backends_agree_with_gqa_and_gradients
 def test_model_with_pallas_attention_on_a_mesh_equals_xla():
     base = _model(attention="xla")

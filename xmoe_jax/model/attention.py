@@ -57,9 +57,22 @@ def _cudnn_max_head_dim() -> int:
     return 256 if int(capability.split(".")[0]) >= 9 else 128
 
 
+@functools.cache
+def pallas_attention_module():
+    """jax.experimental.pallas.ops.gpu.attention (JAX's Triton-style flash attention), or None where this
+    jax no longer ships it (removed in jax 0.12.1)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention
+    except ImportError:
+        return None
+    return attention
+
+
 def _pallas_reason(q, k) -> str | None:
     if platform() not in ("cpu", "cuda", "rocm"):
         return f"no Pallas Triton lowering on {platform()}"
+    if pallas_attention_module() is None:
+        return f"jax {jax.__version__} no longer ships jax.experimental.pallas.ops.gpu.attention (removed in 0.12.1)"
     seq = q.shape[1]
     if seq % min(seq, PALLAS_BLOCK):
         return f"Pallas flash attention needs the sequence ({seq}) a multiple of {PALLAS_BLOCK}"
@@ -97,8 +110,7 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _pallas(q_BSHK, k_BSGK, v_BSGK, scale=None):
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
+    pallas_attention = pallas_attention_module()
     groups = q_BSHK.shape[2] // k_BSGK.shape[2]
     if groups > 1:  # the kernel indexes k/v by query head
         k_BSGK, v_BSGK = (jnp.repeat(a, groups, axis=2) for a in (k_BSGK, v_BSGK))

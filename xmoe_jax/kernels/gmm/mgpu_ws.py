@@ -297,7 +297,7 @@ def _kernel(
                 def mma_body(_, a_smem, b_smem, acc_ref):
                     b_tile = b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
                     if transpose_rhs:
-                        b_tile = plgpu.transpose_ref(b_tile, (1, 0))
+                        b_tile = b_tile.transpose((1, 0))  # plgpu.transpose_ref: gone in jax 0.12.1
                     plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_tile)
                     plgpu.wgmma_wait(config.in_flight)
                     return acc_ref

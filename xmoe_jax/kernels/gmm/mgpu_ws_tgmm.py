@@ -168,7 +168,8 @@ def _kernel(meta_gmem, lhs_gmem, grad_gmem, out_gmem, *, config: WsConfig, num_g
                 def _tail():  # rows of the group after it in the last block
                     zero_rows(own, lambda r: r <= last)
 
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_tile, (1, 0)), grad_tile)
+                # a transposed view (ref.transpose: jax 0.12.1 removed plgpu.transpose_ref)
+                plgpu.wgmma(acc_ref, lhs_tile.transpose((1, 0)), grad_tile)
                 plgpu.wgmma_wait(config.in_flight)
                 return acc_ref
 
