@@ -429,8 +429,9 @@ def test_the_guarded_update_copies_no_moment_when_donated():
 
 
 def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
-    """scripts/bench_optimizer.py on the tiny config: every guard gives the unguarded params bit for
-    bit, each within float32 rounding of a float64 AdamW, and the table reads the JSON."""
+    """scripts/bench_optimizer.py on the tiny config: the train step's guard gives the unguarded params bit
+    for bit (the other guards may differ by XLA's fusion, an ulp on jax 0.12.1), each within float32 rounding
+    of a float64 AdamW, and the table reads the JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "opt.json"
     cmd = [sys.executable, "scripts/bench_optimizer.py", "jax", "--config", str(TINY), "--iters", "1"]
@@ -444,7 +445,8 @@ def test_the_optimizer_benchmark_runs_tiny_on_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text())
-    assert rec["variants_equal_bit_for_bit"]
+    # the train step's guard changes no bit
+    assert rec["bit_equal_to_first"]["step"], rec["bit_equal_to_first"]
     assert set(rec["rows"]) == {"floor", "unguarded", "step", "update_check", "state_check", "barrier"}
     assert all(r["rel_err_vs_float64"] < 1e-6 for name, r in rec["rows"].items() if name != "floor")
     table = subprocess.run(
