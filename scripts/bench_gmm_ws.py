@@ -40,7 +40,7 @@ from xmoe_jax.kernels.gmm import mgpu_ws, mgpu_ws_tgmm  # noqa: E402
 from xmoe_jax.kernels.gmm.xla import gmm_xla  # noqa: E402
 from xmoe_jax.perf.gather_bench import _torch_grouped_ms, torch_median_ms  # noqa: E402
 from xmoe_jax.perf.recorder import Recorder  # noqa: E402
-from xmoe_jax.perf.timing import environment, time_fn  # noqa: E402
+from xmoe_jax.perf.timing import environment, rel_err, time_fn  # noqa: E402
 
 W = mgpu_ws.WsConfig
 CONFIGS = {  # name: config (shared memory: stages x (cta_m + cta_n) x tile_k x 2 B, plus the output tiles)
@@ -70,11 +70,6 @@ TINY_PASSES = {"up_fwd": (256, 128, False), "down_fwd": (128, 256, False), "up_d
 
 def _randn(seed, shape):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _sizes(rows: int, experts: int, seed: int, skewed: bool) -> np.ndarray:
@@ -109,7 +104,7 @@ def check(rec, configs, rows, experts, on_gpu, passes):
                     lambda a, b, g, c=cfg, t=transpose: mgpu_ws.gmm_ws(a, b, g, config=c, transpose_rhs=t)
                 )
                 out = fn(lhs, rhs, gs)
-                err = _rel(np.asarray(out[:live], np.float32), np.asarray(ref[:live]))
+                err = rel_err(np.asarray(out[:live], np.float32), np.asarray(ref[:live]))
                 rec.add(check=pass_, config=name, rel_err=err, ok=bool(err < 1e-2))
             except Exception as e:  # a config that does not fit shared memory is a result
                 rec.add(check=pass_, config=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -205,7 +200,7 @@ def check_tgmm(rec, rows, experts, on_gpu, passes):
                 out = np.asarray(
                     jax.jit(functools.partial(_ws_tgmm, config=cfg))(lhs, grad, sizes), np.float32
                 )
-                err = _rel(out, ref)
+                err = rel_err(out, ref)
                 empty_zero = bool(np.all(out[sizes == 0] == 0))
                 ok = bool(err < 1e-2 and empty_zero)
                 rec.add(check=pass_, config=name, rel_err=err, empty_groups_zero=empty_zero, ok=ok)

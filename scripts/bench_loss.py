@@ -8,8 +8,9 @@ The X-MoE Small's head on one GPU (`configs/tiny_small_shape.yaml`: 32 x 2048 to
 the same-run baseline, the chunk loop's three GEMMs alone (logits, d h, d W: the same FLOPs, nothing
 between them). The time over that baseline is what the loss's element-wise passes cost (logsumexp,
 target logit, d logits). Rows: `two_pass` (the train step's: jax.nn.logsumexp, which XLA makes a max
-pass and a sum pass over each chunk's logits) and `online` (one variadic reduction carrying both; it lost). Each is checked first against the same loss in float32
-(relative error of the loss and of both gradients).
+pass and a sum pass over each chunk's logits) and `online` (one variadic reduction carrying both; it
+lost). Each is checked first against the same loss in float32 (relative error of the loss and of both
+gradients).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from xmoe_jax.model import loss as loss_mod
 from xmoe_jax.perf.recorder import Recorder
-from xmoe_jax.perf.timing import environment, time_fn
+from xmoe_jax.perf.timing import environment, rel_err, time_fn
 
 
 def _merge(a, b):
@@ -66,11 +67,6 @@ def _gemms(chunk: int):
     return jax.jit(run)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def main(args) -> None:
     b, s, d, v, chunk = (2, 64, 32, 300, 16) if args.tiny else (32, 2048, 2048, 50_304, 128)
     rec = Recorder(args.out, {**environment(), "batch": b, "seq": s, "hidden": d, "vocab": v, "chunk": chunk})
@@ -97,7 +93,7 @@ def main(args) -> None:
             loss_mod._logsumexp = VARIANTS[name]
             fn = grad_fn()
             val, grads = fn(h, w)
-            err = max(_rel(val, ref_loss), *(_rel(g, r) for g, r in zip(grads, ref_grads, strict=True)))
+            err = max(rel_err(val, ref_loss), *(rel_err(g, r) for g, r in zip(grads, ref_grads, strict=True)))
             t_v = time_fn(fn, h, w, iters=args.iters)
             rec.add(variant=name, ms=t_v * 1e3, tflops=flops / t_v / 1e12, rel_err=err, loss=float(val))
             table.append((name, t_v, err))

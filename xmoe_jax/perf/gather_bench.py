@@ -26,7 +26,7 @@ from xmoe_jax.kernels.gmm.xla import gmm_xla
 from xmoe_jax.moe.experts import _permute_up
 from xmoe_jax.moe.pft import _arrival_index
 from xmoe_jax.perf.recorder import Recorder
-from xmoe_jax.perf.timing import environment, time_fn
+from xmoe_jax.perf.timing import environment, rel_err, time_fn
 
 CASES = {  # (tokens, top_k, experts, sources, D, F); ep4: tokens*top_k rows arrive from `sources`
     "full": {"ep1": (16384, 6, 64, 1, 2048, 1408), "ep4": (16384, 6, 16, 4, 2048, 1408)},
@@ -36,11 +36,6 @@ CASES = {  # (tokens, top_k, experts, sources, D, F); ep4: tokens*top_k rows arr
 
 def _randn(seed, shape, dtype=jnp.bfloat16):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def ep1_case(tokens, top_k, experts, dim, hidden, seed=0):
@@ -193,9 +188,9 @@ def bench_case(rec, name, shape, impl, iters, use_torch):
             reset_warnings()
             got = jax.jit(f)(*args)
             results[variant] = got
-            rec.add(**key, variant=variant, check="rel_err_vs_xla_reference", rel_err=_rel(got, want))
+            rec.add(**key, variant=variant, check="rel_err_vs_xla_reference", rel_err=rel_err(got, want))
         (va, a), (vb, b) = results.items()
-        rec.add(**key, variant=f"{vb}_vs_{va}", check="rel_err", rel_err=_rel(b, a))
+        rec.add(**key, variant=f"{vb}_vs_{va}", check="rel_err", rel_err=rel_err(b, a))
         a_ = jax.random.normal(jax.random.key(4), (rows, k_dim), jnp.bfloat16)
         b_ = jax.random.normal(jax.random.key(5), (k_dim, n_dim), jnp.bfloat16)
         _time(

@@ -14,6 +14,13 @@ from datetime import UTC, datetime
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64: a benchmark's check of a result against its reference."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> float:
