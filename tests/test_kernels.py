@@ -360,6 +360,27 @@ def test_permute_and_combine_gradients_match_jax_grad_of_reference(impl, routing
             assert rel_err(a, b) < 1e-5 or not np.any(b)
 
 
+@pytest.mark.parametrize("impl", PERMUTE_BACKENDS)
+def test_combine_without_weights_sums_rows_and_keeps_no_rows_for_its_gradient(impl):
+    """combine(y, dest_TK) (pft at EP > 1: the weights were folded in on the expert side) equals the
+    weighted combine with weights 1, in value and d y, and its VJP holds no [R, D] array: the scan
+    stacks nothing for it (tests/test_scale.py)."""
+    rng = np.random.default_rng(5)
+    num_rows = T * TOP_K + 5
+    dest = rng.permutation(num_rows)[: T * TOP_K].astype(np.int32).reshape(T, TOP_K)
+    dest[0, 1] = num_rows  # a copy that was not sent
+    y, cot = randn(11, (num_rows, D)), randn(12, (T, D))
+    ones = jnp.ones((T, TOP_K), jnp.float32)
+    got, vjp = jax.vjp(lambda a: combine(a, dest, implementation=impl), y)
+    want, vjp_ref = jax.vjp(lambda a: combine(a, dest, ones, implementation=impl), y)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(vjp(cot)[0]), np.asarray(vjp_ref(cot)[0]))
+    assert all(leaf.shape != y.shape for leaf in jax.tree.leaves(vjp)), "the unweighted VJP kept y"
+    assert any(leaf.shape == y.shape for leaf in jax.tree.leaves(vjp_ref))  # the check can see a kept y
+    with pytest.raises(ValueError, match=r"dest_A must have rank 2 \(\[tokens, top_k\] \(combine without"):
+        combine(y, dest.reshape(-1))
+
+
 def test_permute_accepts_dest_as_TK_and_bf16():
     dest = np.random.default_rng(0).permutation(T * TOP_K).astype(np.int32)
     x = randn(7, (T, D), jnp.bfloat16)

@@ -102,13 +102,16 @@ def test_every_kernel_site_picks_its_gpu_backend(exported):
 
 def test_exported_module_holds_the_kernel_calls(exported):
     platform, calls, _ = exported
-    # on one device (CUDA's export) no exchange separates the experts from the combine: they are one
-    # custom VJP (moe/experts.py) whose weight gradient needs no gather_dot kernel, and the experts
-    # read token rows through an index (gather on load), so no permute kernel runs at all
-    one_device = {"xmoe_gather_dot", "xmoe_scatter_rows"}
-    expected = MOE_KERNELS - (one_device if NUM_DEVICES[platform] == 1 else set())
+    # the routing weights' gradient comes from the experts' act_grad pass (<dy W^T, act>), never from a
+    # gather_dot of the combine's rows: on one device (CUDA's export) the experts and the combine are one
+    # custom VJP (moe/experts.py), and with an exchange (ROCm's) the weights travel with the rows and are
+    # folded in on the expert side, so the combine is a plain sum. On one device the experts read token
+    # rows through an index (gather on load), so no permute kernel runs at all
+    one_device = {"xmoe_scatter_rows"} if NUM_DEVICES[platform] == 1 else set()
+    expected = MOE_KERNELS - {"xmoe_gather_dot"} - one_device
     for name in expected:
         assert calls[name] >= 1, f"{platform}: no Triton call for {name}: {calls}"
+    assert not calls["xmoe_gather_dot"], f"{platform}: the combine's weight gradient reads its rows: {calls}"
     if NUM_DEVICES[platform] == 1:
         assert not calls["xmoe_scatter_rows"], f"{platform}: a permute copy of the tokens is left: {calls}"
     # forward: 3 expert GEMMs (gate, up, down) of the scanned MoE layer; backward: the down

@@ -223,8 +223,9 @@ def test_pipelined_chunks_dispatch_the_next_chunk_before_the_experts():
 
 
 def test_compiled_schedule_interleaves_the_chunks_exchange_and_experts():
-    """The compiled forward (XLA:CPU's schedule): both chunks' dispatch all-to-alls run before any
-    expert GEMM and both combines after them, and the shared experts are inside the block.
+    """The compiled forward (XLA:CPU's schedule): both chunks' dispatch all-to-alls (the rows and
+    their routing weights) run before any expert GEMM and both combines after them, and the shared
+    experts are inside the block.
 
     XLA schedules by data flow, not by trace order: on CPU `none` compiles to the same order (the
     chunks are independent either way); on GPU the latency-hiding scheduler decides
@@ -233,9 +234,9 @@ def test_compiled_schedule_interleaves_the_chunks_exchange_and_experts():
     ops = [(k, n) for k, n in scheduled_ops(text) if "transpose(" not in n]  # the forward pass
     a2a = [i for i, (k, _) in enumerate(ops) if k == "all-to-all"]
     experts = [i for i, (k, n) in enumerate(ops) if k == "dot" and "/experts/" in n]
-    assert len(a2a) == 4 and experts, ops
+    assert len(a2a) == 6 and experts, ops
     first, last = min(experts), max(experts)
-    assert sum(i < first for i in a2a) == 2 and sum(i > last for i in a2a) == 2, ops
+    assert sum(i < first for i in a2a) == 4 and sum(i > last for i in a2a) == 2, ops
     assert any("shard_map" in n and "shared_experts" in n for k, n in ops if k == "dot"), ops
 
 

@@ -169,28 +169,33 @@ def _stored_at(arrival_R, num_out: int) -> dict:
     return {} if arrival_R is None else {"out_rows_R": arrival_R, "num_out_rows": num_out}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out: int, activation: str):
-    """gmm(act(hidden), w) with grouped row r stored at row arrival_R[r] of a [num_out, D] output
-    (scatter on store: no grouped copy to put back in order). Output rows no grouped row writes
-    are unspecified. The backward keeps the pre-activation hidden (one [R, F] per input matrix)
-    and the master w, and recomputes the activation (elementwise) and the cast: autodiff would
-    keep the activation's output and intermediates beside its input. It gathers the output's
-    cotangent rows through the same index (d act and d w read them in place)."""
-    act_RF = _act(*hidden, activation)
+def _weighted(act_RF, g_R):
+    """act * g per row (the routing weight folded in before the down-projection), in act's dtype."""
+    return act_RF if g_R is None else (act_RF.astype(jnp.float32) * g_R[:, None]).astype(act_RF.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, g_R, num_out: int, activation: str):
+    """gmm(act(hidden) * g_R, w) with grouped row r stored at row arrival_R[r] of a [num_out, D] output
+    (scatter on store: no grouped copy to put back in order); g_R None: unweighted. Output rows no
+    grouped row writes are unspecified. The backward keeps the pre-activation hidden (one [R, F] per
+    input matrix), the master w and g, and recomputes the activation (elementwise) and the cast:
+    autodiff would keep the activation's output and intermediates beside its input. It gathers the
+    output's cotangent rows through the same index (d act and d w read them in place)."""
+    act_RF = _weighted(_act(*hidden, activation), g_R)
     w = w_EFD.astype(act_RF.dtype)
     return gmm(act_RF, w, group_sizes_E, zero_unwritten=False, **_stored_at(arrival_R, num_out))
 
 
-def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation):
-    y_MD = _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, num_out, activation)
-    return y_MD, (hidden, w_EFD, group_sizes_E, arrival_R)
+def _act_down_scatter_fwd(hidden, w_EFD, group_sizes_E, arrival_R, g_R, num_out, activation):
+    y_MD = _act_down_scatter(hidden, w_EFD, group_sizes_E, arrival_R, g_R, num_out, activation)
+    return y_MD, (hidden, w_EFD, group_sizes_E, arrival_R, g_R)
 
 
 def _act_down_scatter_bwd(num_out, activation, res, d_MD):
-    hidden, w_EFD, group_sizes_E, arrival_R = res
-    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation)
-    return d_hidden, dw_EFD, None, None
+    hidden, w_EFD, group_sizes_E, arrival_R, g_R = res
+    d_hidden, dw_EFD, dg_R = _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation, g_R=g_R)
+    return d_hidden, dw_EFD, None, None, dg_R
 
 
 _act_down_scatter.defvjp(_act_down_scatter_fwd, _act_down_scatter_bwd)
@@ -212,17 +217,30 @@ def _recomputed_act(hidden: tuple, cotangent, activation: str):
     return act_RF, act_vjp, cotangent
 
 
-def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str, d_act_RF=None):
-    """The down-projection's backward (act and cast recomputed): d hidden per matrix and d w. `d_act_RF`:
-    d y W^T when the exchange's kernel computed it already (transports.arrive_gmm)."""
-    act_RF, act_vjp, d_MD = _recomputed_act(hidden, d_MD, activation)
-    d_MD = d_MD.astype(act_RF.dtype)
+def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str, d_act_RF=None, g_R=None):
+    """The down-projection's backward (act and cast recomputed): d hidden per matrix, d w and d g (None
+    without row weights g_R). `d_act_RF`: d y W^T when the exchange's kernel computed it already
+    (transports.arrive_gmm). With g_R, one pass over the rows (act_grad) gives d hidden, act * g (d w's
+    operand) and d g = <d y W^T, act>, as the one-device combine's backward does (`_act_down_combine`)."""
+    if g_R is None:
+        act_RF, act_vjp, d_MD = _recomputed_act(hidden, d_MD, activation)
+        dt = act_RF.dtype
+    else:
+        hidden, d_MD = _tied(hidden, d_MD)
+        dt = hidden[1].dtype
+    d_MD = d_MD.astype(dt)
     if d_act_RF is None:
         d_MD, arrival_R = shared_rows(d_MD, arrival_R)  # one gather for both GEMMs where XLA gathers
-        w = w_EFD.astype(act_RF.dtype)
+        w = w_EFD.astype(dt)
         d_act_RF = gmm(d_MD, w, group_sizes_E, transpose_rhs=True, lhs_rows_R=arrival_R, zero_unwritten=False)
-    dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
-    return act_vjp(d_act_RF), dw_EFD
+    if g_R is None:
+        dw_EFD = tgmm(act_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
+        return act_vjp(d_act_RF), dw_EFD, None
+    d_hidden, wact_RF, s_R = act_grad(hidden, d_act_RF, g_R, activation)
+    dw_EFD = tgmm(wact_RF, d_MD, group_sizes_E, grad_rows_R=arrival_R).astype(w_EFD.dtype)
+    # rows past sum(group_sizes) hold no row: their s is unspecified, their weight's gradient 0
+    live_R = jnp.arange(s_R.shape[0]) < jnp.sum(group_sizes_E)
+    return d_hidden, dw_EFD, jnp.where(live_R, s_R, 0.0).astype(g_R.dtype)
 
 
 class Return(NamedTuple):
@@ -242,29 +260,29 @@ class Return(NamedTuple):
     keep_hidden: bool = True
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _act_down_return(hidden, w_EFD, group_sizes_E, plan, ret: Return, activation: str):
-    """exchange(gmm(act(hidden), w), plan.reverse()) with the exchange inside the GEMM's kernel
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _act_down_return(hidden, w_EFD, group_sizes_E, plan, g_R, ret: Return, activation: str):
+    """exchange(gmm(act(hidden) * g_R, w), plan.reverse()) with the exchange inside the GEMM's kernel
     (`ret.transport.gmm_move`): [send_rows, D], each output row back in its source's send buffer.
     The backward moves the cotangent forward (the dispatch's direction) into the grouped rows, then
     runs the down-projection's backward (`_act_down_bwd`); it keeps what `_act_down_scatter` keeps,
     and the plan."""
-    act_RF = _act(*hidden, activation)
+    act_RF = _weighted(_act(*hidden, activation), g_R)
     w = w_EFD.astype(act_RF.dtype)
     move = ret.transport.gmm_move
     return move(act_RF, w, group_sizes_E, plan.reverse(), ret.send_rows, ret.axis_name, ret.max_piece)
 
 
-def _act_down_return_fwd(hidden, w_EFD, group_sizes_E, plan, ret, activation):
-    y_AD = _act_down_return(hidden, w_EFD, group_sizes_E, plan, ret, activation)
-    return y_AD, (hidden, w_EFD, group_sizes_E, plan)
+def _act_down_return_fwd(hidden, w_EFD, group_sizes_E, plan, g_R, ret, activation):
+    y_AD = _act_down_return(hidden, w_EFD, group_sizes_E, plan, g_R, ret, activation)
+    return y_AD, (hidden, w_EFD, group_sizes_E, plan, g_R)
 
 
 def _act_down_return_bwd(ret, activation, res, d_AD):
-    hidden, w_EFD, group_sizes_E, plan = res
+    hidden, w_EFD, group_sizes_E, plan, g_R = res
     d_MD = ret.transport.move(d_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece)
-    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation)
-    return d_hidden, dw_EFD, None, no_cotangent(plan)
+    d_hidden, dw_EFD, dg_R = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation, g_R=g_R)
+    return d_hidden, dw_EFD, None, no_cotangent(plan), dg_R
 
 
 _act_down_return.defvjp(_act_down_return_fwd, _act_down_return_bwd)
@@ -369,12 +387,16 @@ def arrival_experts(
     experts: dict,
     group_sizes_E: jax.Array,
     activation: str,
+    weights_M: jax.Array | None = None,
 ) -> jax.Array:
     """Experts over rows that stay where they arrived: grouped row r (grouped by expert, group e
     going through expert e) is x_MD[arrival_R[r]], and its output is stored at row arrival_R[r] of
     the [M, D] result, for r < sum(group_sizes_E). arrival_R None: the rows arrived grouped
     (grouped row r is x_MD[r]). Rows of the result that no grouped row writes are unspecified (the
-    reverse exchange does not read them).
+    reverse exchange does not read them). `weights_M` (float32 [M], one routing weight per arrival
+    row, or None): each output row comes out weighted, the weight folded into the activation before
+    the down-projection, so the combine after the return is a plain sum that keeps no returned rows
+    and the weight's gradient is <d y W_down^T, act> (`_act_down_bwd`).
 
     Gather on load into the up-projections and scatter on store out of the down-projection
     (kernels.gmm's row indices): no grouped copy of x_MD and no ungrouped copy of the output, in
@@ -389,21 +411,38 @@ def arrival_experts(
         if recipe is not None and arrival_R is None:  # grouped already; rows past the sum are zeroed
             live_M = jnp.arange(num_rows) < jnp.sum(gs_E)  # (unwritten: no NaN may reach a scale)
             y_MD = _fp8_experts(jnp.where(live_M[:, None], x_MD, 0), experts, gs_E, activation, recipe)
+            y_MD = _weighted(y_MD, weights_M)
         elif recipe is not None:  # group, run the FP8 experts, put back in arrival order
             grouped_M = _grouped_rows(arrival_R, gs_E, num_rows)
             y_RD = _fp8_experts(
                 permute(x_MD, grouped_M, arrival_R.shape[0]), experts, gs_E, activation, recipe
             )
-            y_MD = combine(y_RD, grouped_M, jnp.ones((num_rows, 1), jnp.float32))
+            y_MD = _weighted(combine(y_RD, grouped_M), weights_M)
         else:
             w_up = tuple(experts[n] for n in _up_names(activation))
             hidden = _tag_hidden(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), activation)
-            y_MD = _act_down_scatter(hidden, experts["w_down"], gs_E, arrival_R, num_rows, activation)
+            g_R = _row_weights(weights_M, arrival_R)
+            y_MD = _act_down_scatter(hidden, experts["w_down"], gs_E, arrival_R, g_R, num_rows, activation)
     return tag(y_MD, EXPERT_OUT)
 
 
+def _row_weights(weights_M, arrival_R):
+    """float32 [R]: each grouped row's routing weight, read through the arrival index (arrival_R None:
+    the rows arrived grouped; rows past the received total weigh 0); None without weights."""
+    if weights_M is None:
+        return None
+    weights_M = weights_M.astype(jnp.float32)
+    return weights_M if arrival_R is None else weights_M.at[arrival_R].get(mode="fill", fill_value=0.0)
+
+
 def pushed_experts(
-    x_AD: jax.Array, experts: dict, group_sizes_E: jax.Array, activation: str, plan, ret: Return
+    x_AD: jax.Array,
+    experts: dict,
+    group_sizes_E: jax.Array,
+    activation: str,
+    plan,
+    ret: Return,
+    weights_M: jax.Array | None = None,
 ) -> jax.Array:
     """exchange(arrival_experts(exchange(x_AD, plan), None, ...), plan.reverse()) for a transport that
     lands rows grouped by local expert and runs a GEMM's output straight back (`ret.transport.gmm_move`):
@@ -411,29 +450,31 @@ def pushed_experts(
     carries rows back to their sources runs inside the GEMM before it: the forward's return inside the
     down-projection (`_act_down_return`), the backward's d x inside the up-projections' data-gradient
     GEMM (`_arrive_up`); push runs them under the GEMM. Keeps what `arrival_experts` keeps (the
-    received rows, tagged EXCHANGE_IN, and the pre-activation hidden), and the plan. Not for FP8
-    experts (their GEMMs have no such epilogue)."""
+    received rows, tagged EXCHANGE_IN, and the pre-activation hidden), and the plan. `weights_M`: the
+    received rows' routing weights, folded in as `arrival_experts` does (the rows arrive grouped, so
+    row r's weight is weights_M[r]). Not for FP8 experts (their GEMMs have no such epilogue)."""
     gs_E = group_sizes_E.astype(jnp.int32)
+    g_R = _row_weights(weights_M, None)
     with jax.named_scope("experts"):
         w_up = tuple(experts[n] for n in _up_names(activation))
         if ret.arrive is not None:  # the exchanges that bring rows, inside the GEMMs after them too
-            return _arrived(x_AD, w_up, experts["w_down"], gs_E, plan, ret, activation)
+            return _arrived(x_AD, w_up, experts["w_down"], gs_E, plan, g_R, ret, activation)
         hidden = _tag_hidden(_arrive_up(x_AD, w_up, gs_E, plan, ret), activation)
-        return _act_down_return(hidden, experts["w_down"], gs_E, plan, ret, activation)
+        return _act_down_return(hidden, experts["w_down"], gs_E, plan, g_R, ret, activation)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _arrived(x_AD, w_up: tuple, w_EFD, group_sizes_E, plan, ret: Return, activation: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _arrived(x_AD, w_up: tuple, w_EFD, group_sizes_E, plan, g_R, ret: Return, activation: str):
     """`pushed_experts` with all four exchanges inside GEMMs (`ret.arrive`, push's arrive prologue): the
     dispatch with the first up-projection and the cotangent with d act = d y W_down^T, besides the two
     returns. One custom VJP for the whole expert MLP: the dispatch's kernel yields the received rows
     and the first hidden at once, so the hidden cannot be recomputed on its own. It is kept
     (`ret.keep_hidden`: the policy keeps the expert hidden) or recomputed here from the received rows,
     which are always kept (tagged EXCHANGE_IN): no remat policy reruns the exchange."""
-    return _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, ret, activation)[0]
+    return _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, g_R, ret, activation)[0]
 
 
-def _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, ret, activation):
+def _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, g_R, ret, activation):
     first, *rest = (w.astype(x_AD.dtype) for w in w_up)
     x_MD, h_RF = ret.arrive(
         x_AD, plan, ret.recv_rows, ret.axis_name, ret.max_piece, first, group_sizes_E, False
@@ -442,17 +483,17 @@ def _arrived_fwd(x_AD, w_up, w_EFD, group_sizes_E, plan, ret, activation):
     hidden = _tag_hidden(
         (h_RF, *(gmm(x_MD, w, group_sizes_E, zero_unwritten=False) for w in rest)), activation
     )
-    act_RF = _act(*hidden, activation)
+    act_RF = _weighted(_act(*hidden, activation), g_R)
     w = w_EFD.astype(act_RF.dtype)
     y_AD = ret.transport.gmm_move(
         act_RF, w, group_sizes_E, plan.reverse(), ret.send_rows, ret.axis_name, ret.max_piece
     )
     kept = hidden if ret.keep_hidden else None
-    return y_AD, (x_MD, kept, w_up, w_EFD, group_sizes_E, plan)
+    return y_AD, (x_MD, kept, w_up, w_EFD, group_sizes_E, plan, g_R)
 
 
 def _arrived_bwd(ret, activation, res, d_AD):
-    x_MD, hidden, w_up, w_EFD, group_sizes_E, plan = res
+    x_MD, hidden, w_up, w_EFD, group_sizes_E, plan, g_R = res
     if hidden is None:  # recomputed from the kept rows, as remat would (no exchange)
         hidden = _tag_hidden(
             tuple(gmm(x_MD, w.astype(x_MD.dtype), group_sizes_E, zero_unwritten=False) for w in w_up),
@@ -469,11 +510,13 @@ def _arrived_bwd(ret, activation, res, d_AD):
         group_sizes_E,
         True,
     )
-    d_hidden, dw_EFD = _act_down_bwd(hidden, w_EFD, group_sizes_E, None, d_MD, activation, d_act_RF)
+    d_hidden, dw_EFD, dg_R = _act_down_bwd(
+        hidden, w_EFD, group_sizes_E, None, d_MD, activation, d_act_RF, g_R=g_R
+    )
     if activation != "swiglu":
         d_hidden = d_hidden[1:]  # GELU's hidden is (None, up): its gradient is the up-projection's only
     dx_AD, dw_up = _up_return_bwd(x_MD, w_up, group_sizes_E, plan, ret, d_hidden)
-    return dx_AD, dw_up, dw_EFD, None, no_cotangent(plan)
+    return dx_AD, dw_up, dw_EFD, None, no_cotangent(plan), dg_R
 
 
 _arrived.defvjp(_arrived_fwd, _arrived_bwd)

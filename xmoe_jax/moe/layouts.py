@@ -46,7 +46,7 @@ from xmoe_jax.moe.exchange import (
     plan_from_sizes,
     wire_bytes,
 )
-from xmoe_jax.moe.transports import arrival
+from xmoe_jax.moe.transports import arrival, get
 
 
 class ExchangeLayout(NamedTuple):
@@ -65,6 +65,10 @@ class ExchangeLayout(NamedTuple):
     grouped: bool = False  # the received rows are grouped by local expert: seg_start_PL is expert-major
     plan: Plan | None = None  # compact: the forward exchange's plan (its reverse is the return)
     max_piece: int = 0  # compact: the most rows one update moves
+    # float32 [num_send, c] -> [num_recv, c]: a few numbers per row (the routing weights) along the
+    # forward's plan, differentiable; a dense all_to_all (`emulated`'s mover for compact: bytes a row
+    # are too few for the row transports' kernels, and too few to matter on the wire)
+    scalars: Callable | None = None
 
 
 def _counts(topk_idx_TK, keep_TK, num_experts, axis_name, num_peers):
@@ -115,6 +119,7 @@ def compact(
         grouped=grouped,
         plan=plan,
         max_piece=max_piece,
+        scalars=lambda g: exchange(g, plan, num_recv, num_send, axis_name, get("emulated"), max_piece),
     )
 
 
@@ -151,4 +156,5 @@ def chunked(topk_idx_TK, keep_TK, pos_TK, num_experts, chunk_rows, axis_name, nu
         routed_rows=(sent_Q.sum() - sent_Q[me]).astype(jnp.float32),
         peak_rows=block_PQL[:, me, :].sum(-1).max(),
         buffer_rows=chunk_rows,
+        scalars=a2a,
     )

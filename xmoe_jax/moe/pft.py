@@ -21,9 +21,13 @@ Steps:
      GEMMs read and write them in place, with no index at all. Landed in (source, local
      expert) order, the GEMMs read them through a grouped -> arrival row index
      (`_arrival_index`; gather on load, no expert-major copy);
-  6. the down-projection stores each output at its arrival row (in place, or scatter on store:
-     no ungrouping copy); the outputs go back by the reverse exchange and are combined with
-     the routing weights (combine kernel, float32 accumulation). A transport with a `gmm_move`
+  6. the routing weights travel with the rows (one float32 each, a small dense exchange:
+     layouts' `scalars`) and are folded into the expert activation before the down-projection
+     (Megatron's way), which stores each weighted output at its arrival row (in place, or
+     scatter on store: no ungrouping copy); the outputs go back by the reverse exchange and the
+     combine kernel sums each token's rows (float32 accumulation). That sum has no weights to
+     differentiate, so the backward pass keeps none of the returned [A, D] rows: the weights'
+     gradient <dy W_down^T, act> comes from the expert side's backward. A transport with a `gmm_move`
      (push) runs that reverse exchange inside the down-projection's kernel, and the backward's
      inside the up-projections' data-gradient GEMM: each row goes straight back to its source
      (experts.pushed_experts). There the "exchange" stage ends with the experts' output and the
@@ -197,6 +201,12 @@ def pft_stages(
         # may leave rows it did not move undefined (push), and permute's VJP reads each copy's row at weight 1
         dest_TK = jnp.where(sent_TK, lay.dest_TK, lay.num_send)
         x_send_AD = tag(permute(x_TD, dest_TK, lay.num_send), MOE_DISPATCHED)
+        # the routing weights travel with their rows and are folded in on the expert side, so the rows
+        # come back weighted and the combine is a plain sum that keeps none of them for the backward
+        weights_A1 = jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32).reshape(-1, 1)
+        rows_A = dest_TK.reshape(-1)
+        g_send_A1 = jnp.zeros((lay.num_send, 1), jnp.float32).at[rows_A].set(weights_A1, mode="drop")
+        g_recv_M = tag(lay.scalars(g_send_A1)[:, 0], EXCHANGE_IN)
         yield "send_buffer", (x_send_AD,)
         recipe = fp8_context.recipe_for("dispatch")  # FP8 on the wire, dequantized on arrival
         send_row_bytes = row_bytes if recipe is None else dim + 4 * -(-dim // 128)  # e4m3 + f32 scales
@@ -206,7 +216,9 @@ def pft_stages(
             # the exchange stage ends after the up-projections, which the received rows go straight into
             arrive, keep_hidden = arrive_gmm(transport), keeps(EXPERT_HIDDEN)
             ret = Return(lay.num_send, lay.num_recv, axis_name, transport, lay.max_piece, arrive, keep_hidden)
-            y_send_AD = pushed_experts(x_send_AD, experts, lay.cc_PL.sum(0), spec.activation, lay.plan, ret)
+            y_send_AD = pushed_experts(
+                x_send_AD, experts, lay.cc_PL.sum(0), spec.activation, lay.plan, ret, g_recv_M
+            )
             y_send_AD = tag(y_send_AD, EXCHANGE_OUT)
             yield "exchange", (y_send_AD,)
             yield "experts", (y_send_AD,)
@@ -218,7 +230,9 @@ def pft_stages(
             yield "exchange", (x_recv_MD,)
             # the experts read the received rows in place and write their outputs back in place
             arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
-            y_recv_MD = arrival_experts(x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation)
+            y_recv_MD = arrival_experts(
+                x_recv_MD, arrival_M, experts, lay.cc_PL.sum(0), spec.activation, g_recv_M
+            )
             yield "experts", (y_recv_MD,)
             y_send_AD = tag(lay.backward(y_recv_MD), EXCHANGE_OUT)
         yield "return", (y_send_AD,)
@@ -235,5 +249,5 @@ def pft_stages(
             ),
         )
 
-    y_TD = combine(y_send_AD, dest_TK, jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32))
+    y_TD = combine(y_send_AD, dest_TK)  # weighted already (dest_TK drops the copies not sent)
     return y_TD.astype(x_TD.dtype), stats

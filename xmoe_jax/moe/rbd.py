@@ -20,8 +20,8 @@ Dispatch:
      rows can never overflow);
   3. stage 2 is exactly PFT inside the node (pft.py) with the received pilots as its
      tokens: replicas are built from the pilot rows by the permute kernel, exchanged
-     over the local axis, run through the experts, returned, and weighted and summed
-     into their pilot by the combine kernel;
+     over the local axis, run through the experts (which fold in the replicas' combine
+     weights), returned, and summed into their pilot by the combine kernel;
 Combine: stage 1 in reverse carries that one partial sum per (token, node) back;
 the source adds its partial sums. The backward pass is the same dedup in reverse:
 every exchange's VJP is its reverse exchange (exchange.py).
@@ -204,7 +204,8 @@ def rbd_stages(
         EXCHANGE_OUT,
     )
     yield "return", (y_back_AD,)
-    y_TD = combine(y_back_AD, dest_TN, hit_TN.astype(jnp.float32))
+    # a plain sum (dest_TN drops the nodes a token did not reach), which keeps no rows for its backward
+    y_TD = combine(y_back_AD, dest_TN)
 
     me = jax.lax.axis_index(node_axis)
     row_bytes = x_TD.shape[1] * jnp.dtype(x_TD.dtype).itemsize

@@ -14,6 +14,7 @@ weight (`weights_TK`), e.g. to apply the gate before the experts instead of afte
 Custom VJPs, each again a permute or combine (no scatter-adds, no atomics):
     permute: d x = combine(dout, dest, weights or 1)     d weights[t,k] = dout[dest[t,k]] . x[t]
     combine: d y = permute(dout, dest, R, weights)       d weights[t,k] = dout[t] . y[dest[t,k]]
+Unweighted (`combine(y, dest_TK)`, weights None), combine keeps no y: its backward is the permute alone.
 Backends: "xla" (oracle) and "pallas" (Triton lowering on GPU, interpret on CPU); "triton"
 and "mgpu" have no permute kernels of their own and use "pallas". Arithmetic in float32.
 """
@@ -76,6 +77,24 @@ def _combine_bwd(backend, res, dout_TD):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _sum_rows(y_RD, dest_TK, num_rows, dtype, backend):
+    """Unweighted combine; the backward keeps only dest (num_rows and dtype: y's, static)."""
+    del num_rows, dtype
+    return backend.combine(y_RD, dest_TK, None)
+
+
+def _sum_rows_fwd(y_RD, dest_TK, num_rows, dtype, backend):
+    return _sum_rows(y_RD, dest_TK, num_rows, dtype, backend), dest_TK
+
+
+def _sum_rows_bwd(num_rows, dtype, backend, dest_TK, dout_TD):
+    return backend.permute(dout_TD, dest_TK, None, num_rows).astype(dtype), None
+
+
+_sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
+
+
 def _dest_TK(dest, num_tokens: int, name: str = "dest_A") -> jax.Array:
     check_int32(name, dest)
     if dest.ndim not in (1, 2):
@@ -132,22 +151,30 @@ def permute(
 def combine(
     y_RD: jax.Array,
     dest_A: jax.Array,
-    weights_TK: jax.Array,
+    weights_TK: jax.Array | None = None,
     *,
     implementation: str | None = None,
 ) -> jax.Array:
     """Weighted sum of each token's K expert rows: out[t] = sum_k w[t,k] * y[dest[t*K+k]]; [T, D].
 
     Dropped copies (destination outside [0, R)) contribute zero. Differentiable in y and
-    weights. Output dtype = y's; accumulation in float32.
+    weights. Output dtype = y's; accumulation in float32. `weights_TK` None: every weight 1
+    (dest_A must then be [T, K]), and the backward pass keeps no y (the weights, folded in before
+    the rows came back, carry their own gradient: moe/experts.py).
     """
     check_rank("y_RD", y_RD, 2, "[rows, D]")
     check_float("y_RD", y_RD)
-    check_rank("weights_TK", weights_TK, 2, "[tokens, top_k]")
-    dest_TK = _dest_TK(dest_A, weights_TK.shape[0])
-    _check_weights(weights_TK, dest_TK)
-    out_TD = jax.ShapeDtypeStruct((weights_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
+    if weights_TK is None:
+        check_rank("dest_A", dest_A, 2, "[tokens, top_k] (combine without weights)")
+        dest_TK = _dest_TK(dest_A, dest_A.shape[0])
+    else:
+        check_rank("weights_TK", weights_TK, 2, "[tokens, top_k]")
+        dest_TK = _dest_TK(dest_A, weights_TK.shape[0])
+        _check_weights(weights_TK, dest_TK)
+    out_TD = jax.ShapeDtypeStruct((dest_TK.shape[0], y_RD.shape[1]), y_RD.dtype)
     backend = _backend(implementation, y_RD, out_TD)
+    if weights_TK is None:
+        return _sum_rows(y_RD, dest_TK, y_RD.shape[0], y_RD.dtype, backend)
     y_RD, weights_TK = match_vma(y_RD, weights_TK)
     return _combine(y_RD, dest_TK, weights_TK, backend)
 
