@@ -32,8 +32,6 @@ sum. It is the larger of two stages (n = expert matrices: 3 SwiGLU, 2 GELU):
     dispatch saved    A*D send buffer (no M*D grouped buffer: the experts read the received
                       rows in place, moe/experts.py; with peers, no returned rows either: the
                       routing weights are folded in on the expert side, so the combine keeps none);
-    row-index copies  M*D (peers only): the XLA reference's gather of the received rows (the GEMM
-                      kernels make none);
     (SwiGLU)          - 3*L*M*D from the workspace: gate and up's backward is one GEMM;
     weights           n * L*D*F (re-laid for the GEMMs);
     output cotangent  T*D.
@@ -158,13 +156,13 @@ def stages(s: LayerShapes, grouped_gemm: str = "ragged_dot", transport: str = "e
     out = {
         "experts": {
             "gemm workspace": (2 * lmd + 2 * n * lmf - concat_saving) * b if dense else 0,
-            # the XLA reference gathers the received rows: an M*D copy the kernels do not make (they
-            # read rows in place). Refitted when the combine stopped keeping the returned rows
-            # (2026-12-07): the compiled peaks fell by 3.2-12.1 KB (tiny) and 5.7-6.2 MB (Small), and
-            # 2 M*D + 3 A*D here became M*D + A*D (tests/test_ssmb.py, all four cases within 10%)
-            "row-index copies": m_d * b if dense and s.peers > 1 else 0,
             "expert hidden": (n + 1) * m_f * b,
-            # the grouped buffer M*D is no longer kept: the experts regather it from the received rows
+            # the grouped buffer M*D is no longer kept: the experts regather it from the received rows.
+            # Refitted when the combine stopped keeping the returned rows (2026-12-07): the compiled peaks
+            # fell by 3.2-12.1 KB (tiny) and 5.7-6.2 MB (Small), and the 2 M*D "row-index copies" (the XLA
+            # reference's gather of the received rows and its zeroed scatter target) and 2 A*D zeroed
+            # exchange outputs counted here before no longer fit: all four cases of tests/test_ssmb.py
+            # are within 10% without them, on jax 0.10.2 and 0.12.1
             "dispatch saved": a_d * b,
             "weights": n * ldf * b,
             "output cotangent": t_d * b,
