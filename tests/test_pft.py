@@ -336,27 +336,32 @@ def test_random_skew_pft_equals_dense(variant: int, offsets: list, x_seed: int) 
 
 
 @functools.cache
-def _in_place_fns(activation: str, impl: str, grouped: bool = False):
+def _in_place_fns(activation: str, impl: str, grouped: bool = False, weighted: bool = False):
     """jax.value_and_grad of arrival_experts on a hand-made receive buffer, and of a dense one-hot
     reference of the same rows; `impl` is the kernels' backend (pallas: interpret mode, whose
     unwritten output rows are NaN, so a reader of rows nobody owns shows up as NaN). `grouped`:
-    the rows arrived grouped by expert (push's expert-major arrival), read with no index."""
+    the rows arrived grouped by expert (push's expert-major arrival), read with no index.
+    `weighted`: each received row's routing weight is folded in (pft at EP > 1)."""
     from xmoe_jax.moe.experts import _act, arrival_experts
 
-    def ours(experts, x_MD, arrival_R, gs_L, cot_MD, received_M):
-        y_MD = arrival_experts(x_MD, None if grouped else arrival_R, experts, gs_L, activation)
+    def ours(experts, x_MD, weights_M, arrival_R, gs_L, cot_MD, received_M):
+        w = weights_M if weighted else None
+        y_MD = arrival_experts(x_MD, None if grouped else arrival_R, experts, gs_L, activation, w)
         return jnp.sum(jnp.where(received_M[:, None], y_MD * cot_MD, 0.0)), y_MD
 
-    def ref(experts, x_MD, expert_M, cot_MD, received_M):
+    def ref(experts, x_MD, weights_M, expert_M, cot_MD, received_M):
         onehot_ML = jax.nn.one_hot(expert_M, experts["w_up"].shape[0]) * received_M[:, None]
         up = jnp.einsum("md,ldf,ml->mf", x_MD, experts["w_up"], onehot_ML, precision="highest")
         gate = None
         if activation == "swiglu":
             gate = jnp.einsum("md,ldf,ml->mf", x_MD, experts["w_gate"], onehot_ML, precision="highest")
-        y_MD = jnp.einsum("mf,lfd,ml->md", _act(gate, up, activation), experts["w_down"], onehot_ML)
+        act = _act(gate, up, activation)
+        if weighted:
+            act = act * jnp.where(received_M, weights_M, 0.0)[:, None]
+        y_MD = jnp.einsum("mf,lfd,ml->md", act, experts["w_down"], onehot_ML)
         return jnp.sum(y_MD * cot_MD), y_MD
 
-    grad = functools.partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
     with pytest.MonkeyPatch.context() as mp:  # the default backend is read while tracing
         mp.setenv("XMOE_KERNELS", impl)
         compiled = jax.jit(grad(ours)).lower(*_in_place_args(activation, grouped)[0]).compile()
@@ -366,7 +371,8 @@ def _in_place_fns(activation: str, impl: str, grouped: bool = False):
 def _in_place_args(activation: str, grouped: bool = False):
     """A receive buffer of M = 40 rows from P = 2 sources for L = 3 local experts (one empty
     segment, one empty expert) with 7 padding rows, segments in (source, expert) order or, with
-    `grouped`, in (expert, source) order; (ours' args, ref's args)."""
+    `grouped`, in (expert, source) order, and routing weights (NaN on the padding rows, which no
+    reader may touch); (ours' args, ref's args)."""
     from xmoe_jax.moe.pft import _arrival_index
 
     m_rows, cc_PL = 40, np.array([[5, 0, 9], [12, 0, 7]], np.int32)
@@ -383,24 +389,33 @@ def _in_place_args(activation: str, grouped: bool = False):
     experts = {n: 0.3 * jax.random.normal(keys[i], (3, D, F)) for i, n in enumerate(names)}
     experts["w_down"] = 0.3 * jax.random.normal(keys[3], (3, F, D))
     x_MD, cot_MD = jax.random.normal(keys[4], (2, m_rows, D))
+    weights_M = jnp.where(received_M, jax.random.uniform(keys[2], (m_rows,), minval=0.1, maxval=1.0), jnp.nan)
     arrival_R = _arrival_index(jnp.asarray(cc_PL), jnp.asarray(seg_start_PL), m_rows)
     gs_L = jnp.asarray(cc_PL.sum(0))
     received = jnp.asarray(received_M)
-    return (experts, x_MD, arrival_R, gs_L, cot_MD, received), (experts, x_MD, expert_M, cot_MD, received)
+    return (
+        (experts, x_MD, weights_M, arrival_R, gs_L, cot_MD, received),
+        (experts, x_MD, weights_M, expert_M, cot_MD, received),
+    )
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["source-major", "expert-major"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_experts_read_and_write_received_rows_in_place(activation: str, impl: str, grouped: bool) -> None:
+def test_experts_read_and_write_received_rows_in_place(
+    activation: str, impl: str, grouped: bool, weighted
+) -> None:
     """Steps 5-6 with no group / ungroup copy: values on the received rows and gradients (the
     padding rows' input gradient is zero) equal a dense one-hot reference, on XLA and on the
     Pallas kernels: gathered loads and scattered stores for rows in (source, expert) order, plain
-    grouped loads and stores for rows that arrived grouped by expert."""
-    ours, ref = _in_place_fns(activation, impl, grouped)
+    grouped loads and stores for rows that arrived grouped by expert. `weighted` (what pft runs at
+    EP > 1): the routing weights folded into the activation, and their gradient <d y W^T, act>, exactly
+    zero on the padding rows, whose NaN weights reach nothing."""
+    ours, ref = _in_place_fns(activation, impl, grouped, weighted)
     args, ref_args = _in_place_args(activation, grouped)
-    (_, y), (g_exp, g_x) = ours(*args)
-    (_, y_ref), (g_exp_ref, g_x_ref) = ref(*ref_args)
+    (_, y), (g_exp, g_x, g_w) = ours(*args)
+    (_, y_ref), (g_exp_ref, g_x_ref, g_w_ref) = ref(*ref_args)
     received = np.asarray(args[-1])
     # on a GPU, float32 GEMMs run as TF32 (3-7e-4 measured on an H200: results/inplace_experts_1xh200_tf32.log)
     tol = TOL if jax.default_backend() == "cpu" else 2e-3
@@ -408,6 +423,44 @@ def test_experts_read_and_write_received_rows_in_place(activation: str, impl: st
     assert rel_err(g_x, g_x_ref) < tol and not np.any(np.asarray(g_x)[~received])
     for name in g_exp:
         assert rel_err(g_exp[name], g_exp_ref[name]) < tol, name
+    if weighted:
+        g_w = np.asarray(g_w)
+        assert rel_err(g_w[received], np.asarray(g_w_ref)[received]) < tol
+        assert not np.any(g_w[~received]), g_w  # exact zeros, not NaN
+
+
+@pytest.mark.parametrize("policy", ["save_dots", "save_exchange"])
+def test_fp8_experts_fold_the_weights_in_without_a_gemm_rerun(policy: str) -> None:
+    """FP8 experts after an exchange fold the routing weights into the activation too: weighted after
+    the down-projection, d w would need its output, which no remat policy keeps, so the backward would
+    rerun that FP8 GEMM. The gradient program has as many GEMMs weighted as unweighted."""
+    import re
+
+    from xmoe_jax import remat
+    from xmoe_jax.config.model import FP8Config
+    from xmoe_jax.fp8 import context
+    from xmoe_jax.moe.experts import arrival_experts
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    experts = {
+        n: 0.1 * jax.random.normal(k, (2, 128, 128))
+        for n, k in zip(("w_gate", "w_up", "w_down"), keys[:3], strict=True)
+    }
+    x_MD, weights_M = jax.random.normal(keys[3], (64, 128)), jax.random.uniform(keys[4], (64,))
+
+    def gemms(weighted: bool) -> int:
+        def loss(e, x, w):
+            with context.use(FP8Config(projections=False)):
+                x, w = remat.tag(x, remat.EXCHANGE_IN), remat.tag(w, remat.EXCHANGE_IN)
+                y = arrival_experts(x, None, e, jnp.array([30, 20]), "swiglu", w if weighted else None)
+            return jnp.sum(y.astype(jnp.float32))
+
+        jaxpr = jax.make_jaxpr(jax.grad(remat.remat(loss, policy), argnums=(0, 1, 2)))(
+            experts, x_MD, weights_M
+        )
+        return len(re.findall(r"dot_general\[|ragged_dot", str(jaxpr)))
+
+    assert gemms(True) == gemms(False) > 0
 
 
 def test_the_backward_computes_the_activation_afresh() -> None:
@@ -424,7 +477,7 @@ def test_the_backward_computes_the_activation_afresh() -> None:
         text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile().as_text()
         return text.count(" tanh(") + text.count(" exponential(")
 
-    experts, x_MD, arrival_R, gs_L, _, _ = _in_place_args("gelu", False)[0]
+    experts, x_MD, _, arrival_R, gs_L, _, _ = _in_place_args("gelu", False)[0]
     arrived = gelus(
         lambda x, e: arrival_experts(x, arrival_R, e, gs_L, "gelu").astype(jnp.float32).sum(),
         x_MD.astype(jnp.bfloat16),
@@ -453,7 +506,7 @@ def test_the_down_projections_backward_gathers_dy_once_where_xla_gathers(path: s
     from xmoe_jax.kernels.gmm import api
     from xmoe_jax.moe.experts import arrival_experts, combined_experts
 
-    experts, x_MD, arrival_R, gs_L, cot_MD, received = _in_place_args("gelu", False)[0]
+    experts, x_MD, _, arrival_R, gs_L, cot_MD, received = _in_place_args("gelu", False)[0]
     T, K = 16, 2
     dest_TK = jax.random.permutation(jax.random.key(5), T * K).reshape(T, K).astype(jnp.int32)
     gs_E = jnp.full(gs_L.shape, T * K // gs_L.shape[0], jnp.int32)

@@ -11,7 +11,7 @@ rest in the backward pass. The block input is always kept (it is the scan carry)
 | save_dots                   | every matmul output (q/k/v/o projections, MLA's latents and their expansion, attention core, dense MLP and expert GEMMs) and what the exchanges delivered | norms, activations, rope, routing, permutes (Megatron's "selective": the cheap work) |
 | save_attention_and_experts  | the attention core output, the expert GEMM outputs and what the exchanges delivered | norms, projections, activations, routing, permutes |
 | save_sublayer_outputs       | the attention and MLP/MoE branch outputs                | everything inside them (the MoE exchange runs again) |
-| save_exchange               | what each all-to-all delivered (dispatched rows, returned expert outputs) | everything else: the exchanges never run a third time |
+| save_exchange               | what each all-to-all delivered (dispatched rows and their routing weights; the returned rows are not needed: the weights were folded in before them) | everything else: the exchanges never run a third time |
 
 Model FLOPs for MFU never count the recomputation (train/metrics.py). `offload_experts` (the expert
 GEMMs' hidden and outputs in pinned host memory) was removed: on an H100 it trained a different model

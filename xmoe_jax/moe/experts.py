@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 
 def _act(h_gate, h_up, activation: str):
     """silu(gate) * up or gelu(up) (tanh form), in up's dtype. The combine's backward evaluates it
-    in float32 (act_grad); written here in float32 too, the arrival paths' autodiff of it held 11 MB
-    more temporaries on the remat test's tiny model (tests/test_scale.py), so it stays jax.nn's."""
+    in float32 (act_grad); written here in float32 too, the unweighted arrival paths' autodiff of it
+    held 11 MB more temporaries on the remat test's tiny model (tests/test_scale.py), so it stays
+    jax.nn's."""
     if activation == "swiglu":
         return jax.nn.silu(h_gate) * h_up
     return jax.nn.gelu(h_up)
@@ -329,15 +330,16 @@ def _act_down_combine_bwd(activation, res, dy_TD):
 _act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)
 
 
-def _fp8_experts(x_RD, experts: dict, gs_E, activation: str, recipe) -> jax.Array:
-    """The experts as FP8 grouped GEMMs (fp8/gmm.py: their own custom VJP and what it keeps)."""
+def _fp8_experts(x_RD, experts: dict, gs_E, activation: str, recipe, g_R=None) -> jax.Array:
+    """The experts as FP8 grouped GEMMs (fp8/gmm.py: their own custom VJP and what it keeps); g_R: each
+    row's routing weight, folded into the activation (autodiff's d g reads act, not the output)."""
 
     def mm(x, w):
         return gmm_fp8(x, w.astype(x_RD.dtype), gs_E, recipe)
 
     h_up = tag(mm(x_RD, experts["w_up"]), EXPERT_HIDDEN)
     h_gate = tag(mm(x_RD, experts["w_gate"]), EXPERT_HIDDEN) if activation == "swiglu" else None
-    return mm(_act(h_gate, h_up, activation), experts["w_down"])
+    return mm(_weighted(_act(h_gate, h_up, activation), g_R), experts["w_down"])
 
 
 def _up_names(activation: str) -> tuple[str, ...]:
@@ -401,8 +403,8 @@ def arrival_experts(
     Gather on load into the up-projections and scatter on store out of the down-projection
     (kernels.gmm's row indices): no grouped copy of x_MD and no ungrouped copy of the output, in
     either pass. arrival_R must name each row at most once. What the backward pass keeps: x_MD,
-    the pre-activation hidden and the index (`_gather_up`, `_act_down_scatter`). FP8 grouped
-    GEMMs (fp8/gmm.py) keep the materialised group / ungroup permutes.
+    the pre-activation hidden, the index and the rows' weights (`_gather_up`, `_act_down_scatter`).
+    FP8 grouped GEMMs (fp8/gmm.py) keep the materialised group / ungroup permutes.
     """
     gs_E = group_sizes_E.astype(jnp.int32)
     num_rows = x_MD.shape[0]
@@ -410,14 +412,16 @@ def arrival_experts(
     with jax.named_scope("experts"):  # the name profiles and HLO metadata show
         if recipe is not None and arrival_R is None:  # grouped already; rows past the sum are zeroed
             live_M = jnp.arange(num_rows) < jnp.sum(gs_E)  # (unwritten: no NaN may reach a scale)
-            y_MD = _fp8_experts(jnp.where(live_M[:, None], x_MD, 0), experts, gs_E, activation, recipe)
-            y_MD = _weighted(y_MD, weights_M)
+            g_M = _row_weights(weights_M, None)
+            g_M = None if g_M is None else jnp.where(live_M, g_M, 0.0)
+            y_MD = _fp8_experts(jnp.where(live_M[:, None], x_MD, 0), experts, gs_E, activation, recipe, g_M)
         elif recipe is not None:  # group, run the FP8 experts, put back in arrival order
             grouped_M = _grouped_rows(arrival_R, gs_E, num_rows)
+            g_R = _row_weights(weights_M, arrival_R)
             y_RD = _fp8_experts(
-                permute(x_MD, grouped_M, arrival_R.shape[0]), experts, gs_E, activation, recipe
+                permute(x_MD, grouped_M, arrival_R.shape[0]), experts, gs_E, activation, recipe, g_R
             )
-            y_MD = _weighted(combine(y_RD, grouped_M), weights_M)
+            y_MD = combine(y_RD, grouped_M)
         else:
             w_up = tuple(experts[n] for n in _up_names(activation))
             hidden = _tag_hidden(_gather_up(x_MD, arrival_R, w_up, gs_E, num_rows), activation)

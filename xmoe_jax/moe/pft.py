@@ -205,7 +205,7 @@ def pft_stages(
         # come back weighted and the combine is a plain sum that keeps none of them for the backward
         weights_A1 = jnp.where(sent_TK, gate_TK, 0.0).astype(jnp.float32).reshape(-1, 1)
         rows_A = dest_TK.reshape(-1)
-        g_send_A1 = jnp.zeros((lay.num_send, 1), jnp.float32).at[rows_A].set(weights_A1, mode="drop")
+        g_send_A1 = jnp.zeros((lay.num_send, 1), jnp.float32).at[rows_A].add(weights_A1, mode="drop")
         g_recv_M = tag(lay.scalars(g_send_A1)[:, 0], EXCHANGE_IN)
         yield "send_buffer", (x_send_AD,)
         recipe = fp8_context.recipe_for("dispatch")  # FP8 on the wire, dequantized on arrival
@@ -227,7 +227,7 @@ def pft_stages(
                 lay.forward(x_send_AD) if recipe is None else fp8_exchange(lay.forward, x_send_AD, recipe)
             )
             x_recv_MD = tag(x_recv_MD, EXCHANGE_IN)
-            yield "exchange", (x_recv_MD,)
+            yield "exchange", (x_recv_MD, g_recv_M)
             # the experts read the received rows in place and write their outputs back in place
             arrival_M = None if lay.grouped else _arrival_index(lay.cc_PL, lay.seg_start_PL, lay.num_recv)
             y_recv_MD = arrival_experts(

@@ -8,7 +8,8 @@ only), u = d y W_down^T the activation's cotangent before the row's routing weig
       wact     = act(hidden) g           the down-projection's weight-gradient operand
       s        = sum_F u act             the routing weight's gradient (<dy, out> of the row)
 
-what the one-device combine's backward (moe/experts.py `_act_down_combine`) needs. Backends: "xla"
+what the combine's backward needs: on one device (moe/experts.py `_act_down_combine`), and after an
+exchange, where the weights were folded into the activation (`_act_down_bwd` with row weights). Backends: "xla"
 (xla.py: the oracle, CPU) and "pallas" (pallas.py: one kernel, GPU); triton, mgpu and ws hand it to
 pallas. Outputs in the hidden's dtype, s in float32; arithmetic in float32.
 """
