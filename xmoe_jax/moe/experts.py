@@ -222,7 +222,7 @@ def _act_down_bwd(hidden, w_EFD, group_sizes_E, arrival_R, d_MD, activation: str
     """The down-projection's backward (act and cast recomputed): d hidden per matrix, d w and d g (None
     without row weights g_R). `d_act_RF`: d y W^T when the exchange's kernel computed it already
     (transports.arrive_gmm). With g_R, one pass over the rows (act_grad) gives d hidden, act * g (d w's
-    operand) and d g = <d y W^T, act>, as the one-device combine's backward does (`_act_down_combine`)."""
+    operand) and d g = <d y W^T, act>; the one-device combine's backward (`_act_down_combine`) runs it too."""
     if g_R is None:
         act_RF, act_vjp, d_MD = _recomputed_act(hidden, d_MD, activation)
         dt = act_RF.dtype
@@ -310,21 +310,13 @@ def _act_down_combine_fwd(hidden, w_EFD, group_sizes_E, dest_TK, weights_TK, act
 
 def _act_down_combine_bwd(activation, res, dy_TD):
     hidden, w_EFD, group_sizes_E, dest_TK, weights_TK = res
-    hidden, dy_TD = _tied(hidden, dy_TD)
-    num_rows, dt = hidden[1].shape[0], hidden[1].dtype
+    num_rows = hidden[1].shape[0]
     tok_R = token_rows(dest_TK, dy_TD.shape[0], num_rows)  # row r reads dy of its token, unweighted
-    dy_RD, rows_R = shared_rows(dy_TD.astype(dt), tok_R)  # one gather for both GEMMs where XLA gathers
-    u_RF = gmm(
-        dy_RD, w_EFD.astype(dt), group_sizes_E, transpose_rhs=True, lhs_rows_R=rows_R, zero_unwritten=False
-    )
     rows_A = dest_TK.reshape(-1)
     g_R = jnp.zeros((num_rows,), jnp.float32).at[rows_A].set(weights_TK.reshape(-1), mode="drop")
-    # d hidden, act * g (d w's operand) and s = <u, act> (d weights) in one pass over the rows (act_grad);
-    # rows past sum(group_sizes) of u and hidden are unspecified; only valid rows are gathered from s
-    d_hidden, wact_RF, s_R = act_grad(hidden, u_RF, g_R, activation)
+    d_hidden, dw_EFD, s_R = _act_down_bwd(hidden, w_EFD, group_sizes_E, tok_R, dy_TD, activation, g_R=g_R)
     dweights_TK = s_R.at[rows_A].get(mode="fill", fill_value=0.0).reshape(weights_TK.shape)
-    dw_EFD = tgmm(wact_RF, dy_RD, group_sizes_E, grad_rows_R=rows_R)
-    return d_hidden, dw_EFD.astype(w_EFD.dtype), None, None, dweights_TK.astype(weights_TK.dtype)
+    return d_hidden, dw_EFD, None, None, dweights_TK.astype(weights_TK.dtype)
 
 
 _act_down_combine.defvjp(_act_down_combine_fwd, _act_down_combine_bwd)
